@@ -1,0 +1,29 @@
+# Two entry points (see README): `make demo` and `make test`. Both create .venv when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch build to install when the venv has none. ROCm/CUDA users: install your own wheel into .venv
+# first (see README); it is kept.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.loracls-installed
+
+.PHONY: demo test test-fast lint install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e ".[embedded,dev]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/loracls train --config configs/demo.yaml
+
+test: $(STAMP) lint
+	$(PY) -m pytest -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -ra -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks

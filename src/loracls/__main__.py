@@ -1,0 +1,3 @@
+from loracls.cli import app
+
+app()

@@ -1,0 +1,191 @@
+"""The `loracls` command: a few lines per command, each calling the library."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from loracls.config import TrainConfig, field_docs, field_types, parse_overrides
+from loracls.errors import LoraclsError
+
+app = typer.Typer(
+    help="Fine-tune a small decoder-only LM as a text classifier with LoRA.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+
+@app.callback()
+def main() -> None:
+    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def fail(error: LoraclsError) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def config_options(command):
+    """Give `command` one `--option` per TrainConfig field (help text from the field's docstring).
+
+    The options default to None, meaning "not given", so a YAML config and `key=value` overrides can fill
+    in what the command line left out.
+    """
+    docs, types = field_docs(), field_types()
+    params = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                (bool if types[f.name] is bool else str) | None,
+                typer.Option(help=f"{docs[f.name]} [default: {f.default}]", show_default=False),
+            ],
+        )
+        for f in fields(TrainConfig)
+    ]
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "options"]
+    command.__signature__ = signature.replace(parameters=own + params)
+    return command
+
+
+@app.command()
+@config_options
+def train(
+    overrides: Annotated[list[str] | None, typer.Argument(help="key=value config overrides")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="YAML file of config keys")] = None,
+    **options,
+) -> None:
+    """Fine-tune with LoRA, validate as it goes, and report on the test split."""
+    from loracls.train import train as run_train
+
+    try:
+        given = {k: v for k, v in options.items() if v is not None}
+        cfg = TrainConfig.load(config, {**given, **parse_overrides(overrides or [])})
+        run, metrics = run_train(cfg)
+    except LoraclsError as e:
+        fail(e)
+    test = metrics["test"]
+    console.print(
+        f"\n[bold]test accuracy {test['accuracy']:.4f}  macro-F1 {test['macro_f1']:.4f}[/]  "
+        f"(best validation step {metrics['best_val']['step']}, "
+        f"{metrics['train']['examples_per_s']:.1f} train examples/s)"
+    )
+    console.print(per_class_table(test))
+    console.print(f"run folder: {run.path}", soft_wrap=True)
+
+
+@app.command("eval")
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
+    data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
+) -> None:
+    """Evaluate a run's best checkpoint on its test split or on another labelled file."""
+    from loracls.data import read_labelled
+    from loracls.evaluate import score, write_predictions_jsonl
+    from loracls.predict import Classifier
+    from loracls.runs import RunFolder, write_json
+
+    try:
+        run = RunFolder(run_dir)
+        run.check_finished()
+        cfg = run.read_config()
+        table = (
+            run.read_split("test")
+            if data is None
+            else read_labelled(data, cfg.text_column, cfg.label_column, [])
+        )
+        classifier = Classifier.from_run(str(run_dir))
+        unknown = sorted(set(table["label"].astype(str)) - set(classifier.labels))
+        if unknown:
+            raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
+        table["label"] = table["label"].astype(str)
+        probs = classifier.predict_probs(list(table["text"]))
+        metrics = score(table, probs, classifier.labels)
+    except LoraclsError as e:
+        fail(e)
+    out = run.file("eval") / (Path(data).stem if data else "test")
+    out.mkdir(parents=True, exist_ok=True)
+    write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels)
+    write_json(out / "metrics.json", metrics)
+    console.print(
+        f"[bold]accuracy {metrics['accuracy']:.4f}  macro-F1 {metrics['macro_f1']:.4f}[/] on {len(table)} "
+        f"examples"
+    )
+    console.print(per_class_table(metrics))
+    console.print(f"written to {out}", soft_wrap=True)
+
+
+@app.command()
+def predict(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
+    texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
+    input: Annotated[Path | None, typer.Option("--input", help="CSV/JSONL/Parquet file of texts")] = None,
+    output: Annotated[Path | None, typer.Option("--output", help="Write .jsonl or .csv here")] = None,
+    text_column: Annotated[str | None, typer.Option(help="Text column of --input")] = None,
+) -> None:
+    """Classify texts given as arguments or in a file; prints JSON lines unless --output is set."""
+    import pandas as pd
+
+    from loracls.data import read_table
+    from loracls.predict import Classifier
+    from loracls.runs import RunFolder
+
+    try:
+        if bool(texts) == bool(input):
+            raise LoraclsError("Give texts as arguments or --input FILE (one of the two)")
+        column = text_column or RunFolder(run_dir).read_config().text_column
+        if input is not None:
+            frame = read_table(input)
+            if column not in frame.columns:
+                raise LoraclsError(f"{input}: no text column '{column}'; columns: {list(frame.columns)}")
+            texts = [str(t) for t in frame[column]]
+        records = Classifier.from_run(str(run_dir)).predict(texts)
+    except LoraclsError as e:
+        fail(e)
+    if output is None:
+        for record in records:
+            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        return
+    if output.suffix.lower() == ".csv":
+        rows = [
+            {"text": r["text"], "label": r["label"], **{f"p_{k}": v for k, v in r["probabilities"].items()}}
+            for r in records
+        ]
+        pd.DataFrame(rows).to_csv(output, index=False)
+    else:
+        output.write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
+        )
+    console.print(f"{len(records)} predictions written to {output}")
+
+
+def per_class_table(metrics: dict) -> Table:
+    table = Table("class", "precision", "recall", "F1", "support")
+    for name, row in metrics["per_class"].items():
+        table.add_row(
+            name,
+            f"{row['precision']:.3f}",
+            f"{row['recall']:.3f}",
+            f"{row['f1-score']:.3f}",
+            str(int(row["support"])),
+        )
+    return table

@@ -1,0 +1,210 @@
+"""The training configuration: one dataclass whose fields are the command-line options and YAML keys."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loracls.errors import LoraclsError
+
+
+@dataclass
+class TrainConfig:
+    """Everything `loracls train` needs; `RUN/config.yaml` stores the resolved copy."""
+
+    model: str = "gemma3-270m"
+    """Base model: an alias (`gemma3-270m`), a local Hugging Face model folder, a `.gguf` file, or a hub id
+    that is already in the local hub cache."""
+    data: str = "zh-reviews"
+    """Training data: a CSV, JSONL or Parquet file, or a built-in dataset (`zh-reviews`, `en-tweets`)."""
+    val: str | None = None
+    """Validation file; when unset, a stratified `val_fraction` of `data` is held out."""
+    test: str | None = None
+    """Test file; when unset, a stratified `test_fraction` of `data` is held out."""
+    text_column: str = "text"
+    """Column holding the text to classify."""
+    label_column: str = "label"
+    """Column holding the label (a string or an integer)."""
+    val_fraction: float = 0.1
+    """Share of `data` held out for validation when no `val` file is given."""
+    test_fraction: float = 0.1
+    """Share of `data` held out for testing when no `test` file is given."""
+    max_train_examples: int | None = None
+    """Keep at most this many training examples (a stratified sample), after the splits are made."""
+    max_eval_examples: int | None = None
+    """Keep at most this many validation and test examples each (a stratified sample)."""
+    max_length: int = 256
+    """Truncate texts to this many tokens."""
+    epochs: float = 2.0
+    """Passes over the training data; a fraction stops part-way through the last one."""
+    lr: float = 2e-4
+    """Peak learning rate of AdamW for the LoRA matrices and the classification head."""
+    batch_size: int = 16
+    """Examples per forward pass (micro-batch)."""
+    grad_accum: int = 2
+    """Micro-batches accumulated into one optimizer step; the effective batch is `batch_size * grad_accum`."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_ratio: float = 0.06
+    """Share of optimizer steps spent warming the learning rate up (ignored when `warmup_steps` is set)."""
+    warmup_steps: int | None = None
+    """Warm-up length in optimizer steps; overrides `warmup_ratio`."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value before each optimizer step."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: float = 16
+    """LoRA scaling numerator: updates are scaled by `lora_alpha / lora_r`."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: str = "q_proj,v_proj"
+    """Modules that get LoRA: comma-separated names (`q_proj,v_proj`) or one regular expression."""
+    eval_every: int = 50
+    """Evaluate on the validation set every this many optimizer steps (and always at the end)."""
+    log_every: int = 10
+    """Log loss, learning rate, memory and throughput every this many optimizer steps."""
+    early_stopping_patience: int | None = None
+    """Stop after this many validations without improvement of the best validation metric."""
+    metric: str = "macro_f1"
+    """Validation metric that picks the best checkpoint: `macro_f1` or `accuracy`."""
+    precision: str = "auto"
+    """`auto` (bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU), `fp32`, `bf16` or `fp16`."""
+    seed: int = 42
+    """Seed for the splits, the data order, LoRA initialisation and dropout."""
+    out: str | None = None
+    """Run folder; default `runs/<data>-<timestamp>`."""
+    trust_remote_code: bool = False
+    """Run code shipped with a hub model. Off: standard architectures never need it."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0,
+            "batch_size": self.batch_size >= 1,
+            "grad_accum": self.grad_accum >= 1,
+            "epochs": self.epochs > 0,
+            "max_length": self.max_length >= 2,
+            "lora_r": self.lora_r >= 1,
+            "lora_alpha": self.lora_alpha > 0,
+            "lora_dropout": 0 <= self.lora_dropout < 1,
+            "weight_decay": self.weight_decay >= 0,
+            "warmup_ratio": 0 <= self.warmup_ratio < 1,
+            "max_grad_norm": self.max_grad_norm > 0,
+            "val_fraction": 0 < self.val_fraction < 1,
+            "test_fraction": 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1,
+            "eval_every": self.eval_every >= 1,
+            "log_every": self.log_every >= 1,
+            "metric": self.metric in ("macro_f1", "accuracy"),
+            "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
+            "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
+            "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            docs = field_docs()
+            lines = [f"  {name} = {getattr(self, name)!r}: {docs[name]}" for name in bad]
+            raise LoraclsError("Out-of-range configuration value(s):\n" + "\n".join(lines))
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.batch_size * self.grad_accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+        """Build a config from an optional YAML file, then apply `overrides` (which win)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            values.update(read_yaml_config(Path(path)))
+        values.update(overrides or {})
+        check_known_keys(values, source=str(path) if path else "overrides")
+        types = field_types()
+        return cls(**{k: coerce(k, v, types[k]) for k, v in values.items()})
+
+
+def read_yaml_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise LoraclsError(f"Config file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise LoraclsError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise LoraclsError(
+            f"{path} must hold a mapping of config keys to values, not {type(values).__name__}"
+        )
+    return values
+
+
+def check_known_keys(values: dict[str, Any], source: str) -> None:
+    known = [f.name for f in fields(TrainConfig)]
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(known)}."
+            raise LoraclsError(f"Unknown config key '{key}' in {source}.{hint}")
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """Turn `key=value` strings into a dict; values are read as YAML scalars (`lr=1e-4`, `val=null`)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise LoraclsError(f"Override '{pair}' is not of the form key=value (e.g. lora_r=16)")
+        out[key.strip().replace("-", "_")] = yaml.safe_load(raw) if raw else None
+    return out
+
+
+def coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Convert `value` to the field's type, so `lr: 2e-4` (a YAML string) and `epochs=3` both work."""
+    if value is None:
+        if type(None) in typing.get_args(annotation):
+            return None
+        raise LoraclsError(f"Config key '{name}' cannot be empty")
+    base = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+    try:
+        if base is bool and isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if base is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        if base in (int, float):
+            return base(float(value)) if base is int else float(value)
+        return base(value)
+    except (TypeError, ValueError):
+        raise LoraclsError(
+            f"Config key '{name}' expects {getattr(base, '__name__', base)}, got {value!r}"
+        ) from None
+
+
+@functools.cache
+def field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from the source so that help text has one home."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs

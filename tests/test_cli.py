@@ -1,0 +1,190 @@
+"""The whole pipeline through the command line, on tiny local models."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from loracls.cli import app
+from loracls.predict import Classifier
+
+runner = CliRunner()
+FAST = [
+    "--epochs",
+    "2",
+    "--batch-size",
+    "8",
+    "--grad-accum",
+    "2",
+    "--eval-every",
+    "4",
+    "--log-every",
+    "2",
+    "--lr",
+    "5e-3",
+    "--max-length",
+    "64",
+]
+
+
+def invoke(*args: str):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_models, tmp_path_factory):
+    """One finished run per model family, shared by the tests below."""
+    root = tmp_path_factory.mktemp("runs")
+    from tests.conftest import toy_reviews
+
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    runs = {}
+    for family, model in tiny_models.items():
+        out = root / family
+        result = invoke("train", "--model", model, "--data", data, "--out", out, *FAST)
+        assert result.exit_code == 0, result.output
+        runs[family] = (out, result.output)
+    return runs
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+def test_train_writes_the_whole_run_folder(trained, family):
+    run, output = trained[family]
+    assert "test accuracy" in output and str(run) in output
+    for name in [
+        "config.yaml",
+        "env.json",
+        "labels.json",
+        "status.json",
+        "targets.json",
+        "train_log.jsonl",
+        "test_predictions.jsonl",
+        "metrics.json",
+        "data/val.jsonl",
+        "data/test.jsonl",
+        "best/adapter_config.json",
+        "best/adapter_model.safetensors",
+        "best/tokenizer_config.json",
+    ]:
+        assert (run / name).is_file(), name
+    assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["lr"] == 5e-3 and cfg["out"] == str(run)
+    env = json.loads((run / "env.json").read_text())
+    assert {
+        "python",
+        "torch",
+        "torch_hip",
+        "torch_cuda",
+        "transformers",
+        "peft",
+        "accelerate",
+        "backend",
+    } <= set(env)
+
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["test"]["n"] == 12 and 0 <= metrics["test"]["accuracy"] <= 1
+    assert set(metrics["test"]["per_class"]) == {"negative", "positive"}
+    assert sum(map(sum, metrics["test"]["confusion_matrix"])) == 12
+    assert metrics["train"]["examples_per_s"] > 0 and metrics["train"]["tokens_per_s"] > 0
+
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    train_rows = [r for r in log if r["kind"] == "train"]
+    eval_steps = [r["step"] for r in log if r["kind"] == "eval"]
+    assert [r["step"] for r in train_rows] == [2, 4, 6, 8, 10, 12]  # 96 examples / 16 = 6 steps/epoch x 2
+    assert eval_steps == [4, 8, 12]
+    assert all(r["lr"] >= 0 and r["loss"] > 0 and "mem_rss_gb" in r for r in train_rows)
+    assert metrics["best_val"]["step"] in eval_steps
+
+    val_files = sorted((run / "val_predictions").iterdir())
+    assert [f.name for f in val_files] == ["step_000004.jsonl", "step_000008.jsonl", "step_000012.jsonl"]
+    rows = [json.loads(line) for line in val_files[-1].read_text().splitlines()]
+    val = pd.read_json(run / "data/val.jsonl", lines=True, dtype=False)
+    assert [r["id"] for r in rows] == list(val["id"].astype(str))  # every example, in input order
+    assert all(abs(sum(r["probabilities"].values()) - 1) < 1e-4 for r in rows)
+    assert all(r["predicted"] == max(r["probabilities"], key=r["probabilities"].get) for r in rows)
+    assert len((run / "test_predictions.jsonl").read_text().splitlines()) == 12
+
+    targets = json.loads((run / "targets.json").read_text())
+    assert len(targets["modules"]) == 4 and all(m.endswith(("q_proj", "v_proj")) for m in targets["modules"])
+
+
+def test_head_is_saved_and_restored(trained, tiny_models):
+    run, _ = trained["gemma3"]
+    saved = load_file(run / "best/adapter_model.safetensors")
+    head_key = next(k for k in saved if "score" in k)
+    classifier = Classifier.from_run(str(run))
+    restored = classifier.model.score.weight.detach()
+    torch.testing.assert_close(restored, saved[head_key])
+    torch.manual_seed(0)
+    from loracls.model import load_classifier
+
+    fresh = load_classifier(str(tiny_models["gemma3"]), ["negative", "positive"]).score.weight.detach()
+    assert not torch.allclose(restored, fresh)  # the trained head, not a new random one
+
+
+def test_eval_reproduces_the_test_metrics(trained):
+    run, _ = trained["llama"]
+    result = invoke("eval", run)
+    assert result.exit_code == 0, result.output
+    written = json.loads((run / "eval/test/metrics.json").read_text())
+    recorded = json.loads((run / "metrics.json").read_text())["test"]
+    assert written["accuracy"] == recorded["accuracy"]
+    assert written["confusion_matrix"] == recorded["confusion_matrix"]
+
+
+def test_eval_on_another_file(trained, tmp_path):
+    run, _ = trained["qwen3"]
+    path = tmp_path / "extra.csv"
+    pd.DataFrame(
+        {"text": ["good book", "awful plot", "love it"], "label": ["positive", "negative", "positive"]}
+    ).to_csv(path, index=False)
+    result = invoke("eval", run, "--data", path)
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "eval/extra/metrics.json").read_text())["n"] == 3
+
+
+def test_predict_texts_and_files(trained, tmp_path):
+    run, _ = trained["gemma3"]
+    result = invoke("predict", run, "good story", "awful plot")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["text"] for r in lines] == ["good story", "awful plot"]
+    assert all(r["label"] in ("negative", "positive") for r in lines)
+
+    source = tmp_path / "in.csv"
+    pd.DataFrame({"text": ["love", "hate", "very good book indeed"]}).to_csv(source, index=False)
+    out = tmp_path / "out.csv"
+    assert invoke("predict", run, "--input", source, "--output", out).exit_code == 0
+    table = pd.read_csv(out)
+    assert list(table.columns) == ["text", "label", "p_negative", "p_positive"] and len(table) == 3
+    expected = Classifier.from_run(str(run)).predict(["love", "hate", "very good book indeed"])
+    assert list(table["label"]) == [r["label"] for r in expected]
+
+
+def test_bad_input_exits_2_before_creating_a_run(tmp_path, toy_csv):
+    out = tmp_path / "run"
+    result = invoke("train", "--data", tmp_path / "missing.csv", "--out", out)
+    assert result.exit_code == 2 and "Data file not found" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+    result = invoke("train", "--data", toy_csv, "--label-column", "sentiment", "--out", out)
+    assert result.exit_code == 2 and "no label column 'sentiment'" in result.output
+    result = invoke("train", "lora_rank=4")
+    assert result.exit_code == 2 and "Did you mean 'lora_r'" in result.output
+
+
+def test_unfinished_run_is_refused(trained, tmp_path):
+    run, _ = trained["gemma3"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "status.json").write_text(json.dumps({"state": "running"}))
+    result = invoke("eval", broken)
+    assert result.exit_code == 2 and "did not finish (status: running)" in result.output
+    result = invoke("predict", run)
+    assert result.exit_code == 2 and "one of the two" in result.output

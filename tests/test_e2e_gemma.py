@@ -1,0 +1,91 @@
+"""The real Gemma 3 270M from its PyPI package: conversion, training on real reviews, the loss falling."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from loracls.cli import app
+from loracls.data import load_splits
+from loracls.model import load_classifier, load_tokenizer, resolve_model
+from loracls.predict import Classifier
+from loracls.runs import RunFolder
+
+pytestmark = pytest.mark.slow
+
+
+def cross_entropy(probs: np.ndarray, gold: list[int]) -> float:
+    return float(-np.mean(np.log(probs[np.arange(len(gold)), gold] + 1e-12)))
+
+
+def test_gguf_is_converted_once_into_a_standard_folder():
+    path = resolve_model("gemma3-270m")
+    assert path.endswith("models/gemma3-270m")
+    config = json.loads(Path(path, "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "quantization_config" not in config
+    assert resolve_model("gemma3-270m") == path  # cached: no second conversion
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.pad_token is not None and tokenizer.padding_side == "right"
+    model = load_classifier(path, ["negative", "positive"])  # refuses if anything but the head is random
+    assert model.config.hidden_size == 640 and sum(p.numel() for p in model.parameters()) > 260e6
+
+
+def test_loss_falls_on_a_few_dozen_real_reviews(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--model",
+        "gemma3-270m",
+        "--data",
+        "zh-reviews",
+        "--max-train-examples",
+        "48",
+        "--max-eval-examples",
+        "16",
+        "--max-length",
+        "64",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "1",
+        "--lr",
+        "1e-3",
+        "--eval-every",
+        "9",
+        "--log-every",
+        "3",
+        "--out",
+        str(out),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (
+        metrics["data"]["notes"][0].startswith("zh-reviews:")
+        and "47 texts labelled both ways" in metrics["data"]["notes"][0]
+    )
+
+    # cross-entropy of the same 48 training reviews: base model + fresh head, then the best checkpoint
+    cfg = RunFolder(out).read_config()
+    splits = load_splits(cfg)
+    texts, gold = list(splits.train["text"]), [splits.label2id[x] for x in splits.train["label"]]
+    trained = Classifier.from_run(str(out))
+    before = Classifier(
+        load_classifier(resolve_model("gemma3-270m"), splits.labels),
+        trained.tokenizer,
+        splits.labels,
+        cfg.max_length,
+    )
+    before.model.config.pad_token_id = trained.tokenizer.pad_token_id
+    torch.manual_seed(0)
+    loss_before = cross_entropy(before.predict_probs(texts), gold)
+    loss_after = cross_entropy(trained.predict_probs(texts), gold)
+    assert loss_after < 0.8 * loss_before, (loss_before, loss_after)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if r["kind"] == "train"]
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses

@@ -1,0 +1,73 @@
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loracls.errors import LoraclsError
+from loracls.model import fix_tokenizer, load_classifier, load_tokenizer, resolve_model
+from tests.conftest import char_tokenizer
+
+LABELS = ["negative", "positive"]
+
+
+def test_missing_pad_and_unk_come_from_eos():
+    tokenizer = char_tokenizer(with_pad_and_unk=False)
+    changed = fix_tokenizer(tokenizer)
+    assert tokenizer.pad_token == tokenizer.eos_token == "<eos>"
+    assert tokenizer.unk_token == "<eos>"
+    assert len(changed) == 2 and tokenizer.padding_side == "right"
+
+
+def test_tokenizer_without_eos_is_refused():
+    tokenizer = char_tokenizer(with_pad_and_unk=False)
+    tokenizer.eos_token = None
+    with pytest.raises(LoraclsError, match="neither a pad_token nor an eos_token"):
+        fix_tokenizer(tokenizer)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+def test_padded_batch_gives_the_same_logits_as_single_texts(tiny_models, family):
+    path = str(tiny_models[family])
+    tokenizer = load_tokenizer(path)
+    model = load_classifier(path, LABELS)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    texts = ["good", "the story was very long and awful", "love it"]
+    with torch.no_grad():
+        batch = tokenizer(texts, padding=True, return_tensors="pt")
+        assert batch["attention_mask"][0, -1] == 0  # right padding really happened
+        together = model(**batch).logits
+        alone = torch.cat([model(**tokenizer([t], return_tensors="pt")).logits for t in texts])
+    assert torch.isfinite(together).all()
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_config_carries_the_label_names(tiny_models):
+    model = load_classifier(str(tiny_models["gemma3"]), ["bad", "ok", "good"])
+    assert model.config.num_labels == 3 and model.score.out_features == 3
+    assert model.config.id2label == {0: "bad", 1: "ok", 2: "good"}
+
+
+def test_randomly_initialised_backbone_is_refused(tiny_models, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in tiny_models["llama"].iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    weights = load_file(broken / "model.safetensors")
+    dropped = [k for k in weights if "layers.1.self_attn.q_proj" in k]
+    save_file(
+        {k: v for k, v in weights.items() if k not in dropped},
+        broken / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    with pytest.raises(LoraclsError, match=r"Refusing to train: 1 weight\(s\).*layers.1.self_attn.q_proj"):
+        load_classifier(str(broken), LABELS)
+
+
+def test_model_resolution_errors(tmp_path):
+    with pytest.raises(LoraclsError, match="GGUF file not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(LoraclsError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(LoraclsError, match="Model not found"):
+        resolve_model("./no/such/model")
+    assert resolve_model("org/name") == "org/name"  # a hub id is passed through to from_pretrained
