@@ -179,6 +179,16 @@ def test_bad_input_exits_2_before_creating_a_run(tmp_path, toy_csv):
     assert result.exit_code == 2 and "Did you mean 'lora_r'" in result.output
 
 
+def test_a_run_that_fails_is_marked_failed(tmp_path, toy_csv):
+    out = tmp_path / "run"
+    result = invoke("train", "--model", tmp_path / "nomodel.gguf", "--data", toy_csv, "--out", out)
+    assert result.exit_code == 2 and "GGUF file not found" in result.output
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "failed" and "GGUF file not found" in status["error"]
+    assert not (out / "metrics.json").exists()
+    assert invoke("eval", out).exit_code == 2
+
+
 def test_unfinished_run_is_refused(trained, tmp_path):
     run, _ = trained["gemma3"]
     broken = tmp_path / "broken"

@@ -17,6 +17,24 @@ def test_missing_pad_and_unk_come_from_eos():
     assert len(changed) == 2 and tokenizer.padding_side == "right"
 
 
+def test_slow_tokenizer_is_the_fallback(tiny_models, monkeypatch):
+    from transformers import AutoTokenizer
+
+    real = AutoTokenizer.from_pretrained
+    calls = []
+
+    def fast_fails(path, **kwargs):
+        calls.append(kwargs.get("use_fast", True))
+        if kwargs.get("use_fast", True):
+            raise ValueError("tokenizer.json is incomplete")
+        return real(path)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", fast_fails)
+    tokenizer = load_tokenizer(str(tiny_models["llama"]))
+    assert calls == [True, False]
+    assert tokenizer.pad_token == "<eos>" and tokenizer.padding_side == "right"
+
+
 def test_tokenizer_without_eos_is_refused():
     tokenizer = char_tokenizer(with_pad_and_unk=False)
     tokenizer.eos_token = None

@@ -90,6 +90,7 @@ def train(
         f"{metrics['train']['examples_per_s']:.1f} train examples/s)"
     )
     console.print(per_class_table(test))
+    console.print(confusion_table(test))
     console.print(f"run folder: {run.path}", soft_wrap=True)
 
 
@@ -188,4 +189,12 @@ def per_class_table(metrics: dict) -> Table:
             f"{row['f1-score']:.3f}",
             str(int(row["support"])),
         )
+    return table
+
+
+def confusion_table(metrics: dict) -> Table:
+    names = list(metrics["per_class"])
+    table = Table("gold \\ predicted", *names, title="confusion matrix")
+    for name, row in zip(names, metrics["confusion_matrix"], strict=True):
+        table.add_row(name, *map(str, row))
     return table

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -40,7 +40,6 @@ class FitResult:
     train_s: float
     """Seconds spent training, validation excluded: the denominator of the throughput figures."""
     wall_s: float
-    history: list[dict] = field(default_factory=list)
 
     @property
     def throughput(self) -> dict:
@@ -83,7 +82,6 @@ def fit(
     accelerator: Accelerator,
 ) -> FitResult:
     """Train with AdamW, cosine warm-up schedule, accumulation and clipping; validate and keep the best."""
-    set_seed(cfg.seed)
     loader = make_loader(train_set, tokenizer, cfg.batch_size, shuffle=True, seed=cfg.seed)
     sampler = loader.batch_sampler
     steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)
@@ -100,7 +98,7 @@ def fit(
 
     step, epoch, best_step, best_val, stale = 0, 0, 0, None, 0
     window_loss, window_micro, window_examples, window_tokens = 0.0, 0, 0, 0
-    examples, tokens, train_s, history = 0, 0, 0.0, []
+    examples, tokens, train_s = 0, 0, 0.0
     start = window_start = time.perf_counter()
     progress = Progress(
         TextColumn("[bold]train"),
@@ -135,9 +133,8 @@ def fit(
                 progress.update(task, advance=1)
                 if not torch.isfinite(grad_norm):
                     raise LoraclsError(
-                        f"Non-finite gradient at optimizer step {step} (loss {float(loss):.4g}). "
-                        "Lower --lr or use "
-                        f"--precision fp32. Best checkpoint so far: {run.best if best_val else 'none'}"
+                        f"Non-finite gradient at optimizer step {step} (loss {float(loss):.4g}). Lower --lr "
+                        f"or use --precision fp32. Best checkpoint so far: {run.best if best_val else 'none'}"
                     )
 
                 if step % cfg.log_every == 0 or step == total_steps:
@@ -154,7 +151,6 @@ def fit(
                         **memory_gb(accelerator.device),
                     }
                     run.append_log(record)
-                    history.append(record)
                     progress.update(task, description=f"loss {record['loss']:.4f}")
                     progress.console.print(
                         f"step {step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
@@ -169,18 +165,16 @@ def fit(
 
                 if step % cfg.eval_every == 0 or step == total_steps:
                     eval_start = time.perf_counter()
-                    probs = predict_probs(
+                    val = validate(
                         accelerator.unwrap_model(model),
-                        val_set,
                         tokenizer,
-                        cfg.batch_size * 2,
-                        accelerator.device,
-                        accelerator.autocast(),
+                        val_set,
+                        splits,
+                        cfg,
+                        run,
+                        step,
+                        accelerator,
                     )
-                    write_predictions_jsonl(
-                        run.file(f"val_predictions/step_{step:06d}.jsonl"), splits.val, probs, splits.labels
-                    )
-                    val = score(splits.val, probs, splits.labels)
                     improved = best_val is None or val[cfg.metric] > best_val[cfg.metric]
                     record = {
                         "kind": "eval",
@@ -190,7 +184,6 @@ def fit(
                         "best": improved,
                     }
                     run.append_log(record)
-                    history.append(record)
                     progress.console.print(
                         f"step {step:>5} | [bold]val accuracy {val['accuracy']:.4f} "
                         f"macro-F1 {val['macro_f1']:.4f}[/]" + ("  (best)" if improved else "")
@@ -207,9 +200,27 @@ def fit(
                 if step >= total_steps:
                     break
             epoch += 1
-    return FitResult(
-        best_step, best_val, step, examples, tokens, train_s, time.perf_counter() - start, history
+    return FitResult(best_step, best_val, step, examples, tokens, train_s, time.perf_counter() - start)
+
+
+def validate(
+    model: PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    val_set: Dataset,
+    splits: Splits,
+    cfg: TrainConfig,
+    run: RunFolder,
+    step: int,
+    accelerator: Accelerator,
+) -> dict:
+    """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
+    probs = predict_probs(
+        model, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
     )
+    write_predictions_jsonl(
+        run.file(f"val_predictions/step_{step:06d}.jsonl"), splits.val, probs, splits.labels
+    )
+    return score(splits.val, probs, splits.labels)
 
 
 def save_checkpoint(model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder) -> None:
@@ -235,6 +246,18 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
     cfg.out = str(run.path)
     run.write_config(cfg)
     run.set_status("running")
+    try:
+        metrics = train_into(run, cfg, splits)
+    except BaseException as e:
+        run.set_status("failed", error=f"{type(e).__name__}: {e}")
+        raise
+    run.set_status("finished")
+    return run, metrics
+
+
+def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
+    """Model, LoRA, `fit()` and the test report, written into an open run folder."""
+    set_seed(cfg.seed)  # before the head and the LoRA matrices are initialised
     accelerator = Accelerator(
         mixed_precision=mixed_precision(cfg.precision), gradient_accumulation_steps=cfg.grad_accum
     )
@@ -298,5 +321,4 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
         "trainable_parameters": summary,
     }
     run.write_json("metrics.json", metrics)
-    run.set_status("finished")
-    return run, metrics
+    return metrics
