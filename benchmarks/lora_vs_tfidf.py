@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import accuracy_score, f1_score
 
-from loracls.config import TrainConfig
+from loracls.config import TrainConfig, parse_overrides
 from loracls.data import load_splits
 from loracls.runs import environment
 from loracls.train import train
@@ -47,12 +48,37 @@ def tfidf_scores(train_texts, train_labels, test_texts, test_labels) -> dict:
     }
 
 
+def run_loracls(cfg: TrainConfig, overrides: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        variant = TrainConfig.load(None, cfg.to_dict() | overrides | {"out": str(Path(tmp) / "run")})
+        start = time.perf_counter()
+        _, metrics = train(variant)
+        wall = time.perf_counter() - start
+    return {
+        "overrides": overrides,
+        "accuracy": metrics["test"]["accuracy"],
+        "macro_f1": metrics["test"]["macro_f1"],
+        "train_examples": metrics["data"]["train"],
+        "best_val_step": metrics["best_val"]["step"],
+        "best_val_accuracy": metrics["best_val"]["accuracy"],
+        "train_examples_per_s": metrics["train"]["examples_per_s"],
+        "wall_s": wall,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="zh-reviews")
     parser.add_argument("--train", type=int, default=2000, help="training examples for both classifiers")
     parser.add_argument("--eval", type=int, default=800, help="validation and test examples each")
     parser.add_argument("--out", type=Path, default=RESULTS / "lora_vs_tfidf.json")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also train a variant of the defaults with these overrides (repeatable)",
+    )
     args = parser.parse_args()
 
     cfg = TrainConfig(data=args.data, max_train_examples=args.train, max_eval_examples=args.eval)
@@ -63,48 +89,36 @@ def main() -> None:
     baseline = tfidf_scores(list(splits.train["text"]), list(splits.train["label"]), *test)
     baseline_full = tfidf_scores(list(full.train["text"]), list(full.train["label"]), *test)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg.out = str(Path(tmp) / "run")
-        start = time.perf_counter()
-        _, metrics = train(cfg)
-        lora_wall = time.perf_counter() - start
-    lora = {
-        "accuracy": metrics["test"]["accuracy"],
-        "macro_f1": metrics["test"]["macro_f1"],
-        "train_examples": metrics["data"]["train"],
-        "best_val_step": metrics["best_val"]["step"],
-        "train_examples_per_s": metrics["train"]["examples_per_s"],
-        "wall_s": lora_wall,
-    }
+    candidates = {"loracls defaults": {}} | {f"loracls {o}": parse_overrides([o]) for o in args.also}
+    results = {name: run_loracls(cfg, overrides) for name, overrides in candidates.items()}
 
     rows = [
         ("tfidf+lr, same split (baseline)", baseline),
         ("tfidf+lr, full train split", baseline_full),
-        ("loracls defaults", lora),
+        *results.items(),
     ]
     print(f"\n{'classifier':34} {'train':>6} {'accuracy':>9} {'macro-F1':>9} {'wall s':>8}")
     for name, r in rows:
         n, acc, f1, wall = r["train_examples"], r["accuracy"], r["macro_f1"], r["wall_s"]
         print(f"{name:34} {n:>6} {acc:>9.4f} {f1:>9.4f} {wall:>8.1f}")
-    gain = lora["accuracy"] - baseline["accuracy"]
-    print(
-        f"\nloracls - baseline: {gain:+.4f} accuracy; error rate ratio "
-        f"{(1 - lora['accuracy']) / (1 - baseline['accuracy']):.2f}x of the baseline's"
-    )
+    print()
+    for name, r in results.items():
+        gain, errors = r["accuracy"] - baseline["accuracy"], (1 - r["accuracy"]) / (1 - baseline["accuracy"])
+        print(f"{name} - baseline: {gain:+.4f} accuracy; error rate {errors:.2f}x the baseline's")
 
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() or None
     result = {
         "question": "LoRA defaults vs TF-IDF + LR on the same training examples",
+        "command": "python benchmarks/lora_vs_tfidf.py " + " ".join(sys.argv[1:]),
         "data": args.data,
         "test_examples": len(test[0]),
         "seed": cfg.seed,
         "config": cfg.to_dict() | {"out": None},
         "baseline": baseline,
         "baseline_full_train": baseline_full,
-        "loracls": lora,
-        "accuracy_gain": gain,
-        "git": commit,
+        "loracls": results,
+        "accuracy_gain": {name: r["accuracy"] - baseline["accuracy"] for name, r in results.items()},
+        "git": git.stdout.strip() or None,
         "machine": {"processor": platform.processor(), "cpus": os.cpu_count()},
         "env": environment(torch.device("cpu")),
         "date": time.strftime("%Y-%m-%d"),

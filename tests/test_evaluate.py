@@ -1,0 +1,62 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from loracls.data import tokenize
+from loracls.evaluate import compute_metrics, predict_probs, write_predictions_jsonl
+from loracls.model import load_classifier, load_tokenizer
+
+LABELS = ["negative", "positive"]
+
+
+def test_length_sorted_prediction_keeps_input_order(tiny_models):
+    path = str(tiny_models["qwen3"])
+    tokenizer = load_tokenizer(path)
+    torch.manual_seed(1)
+    model = load_classifier(path, LABELS)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    texts = [
+        "a much longer text than the others here",
+        "b",
+        "medium text",
+        "tiny",
+        "the longest text of them all, by far",
+    ]
+    table = pd.DataFrame({"text": texts, "label": "negative"})
+    dataset = tokenize(table, tokenizer, 64, {"negative": 0, "positive": 1})
+    batched = predict_probs(model, dataset, tokenizer, batch_size=2)
+    one_by_one = np.concatenate(
+        [predict_probs(model, dataset.select([i]), tokenizer, 1) for i in range(len(texts))]
+    )
+    np.testing.assert_allclose(batched, one_by_one, atol=1e-5)
+    assert len({tuple(np.round(p, 5)) for p in batched}) == len(texts)  # distinct rows: a shuffle would show
+
+
+def test_metrics_on_known_predictions():
+    gold, pred = [0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]
+    m = compute_metrics(gold, pred, ["a", "b", "c"])
+    assert m["accuracy"] == pytest.approx(4 / 6)
+    assert m["confusion_matrix"] == [[2, 1, 0], [0, 2, 0], [0, 1, 0]]
+    assert m["per_class"]["a"]["recall"] == pytest.approx(2 / 3) and m["per_class"]["b"]["precision"] == 0.5
+    assert m["per_class"]["c"]["f1-score"] == 0  # a class never predicted counts as 0, not as an error
+    assert m["macro_f1"] == pytest.approx((0.8 + 2 / 3 + 0) / 3)
+    assert m["pred_distribution"] == {"a": 2, "b": 4, "c": 0}
+
+
+def test_prediction_file_has_one_complete_record_per_example(tmp_path):
+    table = pd.DataFrame({"id": ["r1", "r2"], "text": ["好", "差"], "label": ["positive", "negative"]})
+    path = tmp_path / "p.jsonl"
+    write_predictions_jsonl(path, table, np.array([[0.2, 0.8], [0.9, 0.1]]), LABELS)
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert rows[0] == {
+        "id": "r1",
+        "text": "好",
+        "gold": "positive",
+        "predicted": "positive",
+        "probabilities": {"negative": 0.2, "positive": 0.8},
+    }
+    assert rows[1]["predicted"] == "negative"
+    assert not list(tmp_path.glob("*.tmp"))
