@@ -46,7 +46,7 @@ def test_tokenizer_without_eos_is_refused():
 def test_padded_batch_gives_the_same_logits_as_single_texts(tiny_models, family):
     path = str(tiny_models[family])
     tokenizer = load_tokenizer(path)
-    model = load_classifier(path, LABELS)
+    model = load_classifier(path, LABELS, head_init="normal")  # a zero head gives equal logits trivially
     model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()
     texts = ["good", "the story was very long and awful", "love it"]
@@ -63,6 +63,19 @@ def test_config_carries_the_label_names(tiny_models):
     model = load_classifier(str(tiny_models["gemma3"]), ["bad", "ok", "good"])
     assert model.config.num_labels == 3 and model.score.out_features == 3
     assert model.config.id2label == {0: "bad", 1: "ok", 2: "good"}
+
+
+def test_zero_head_starts_with_uniform_predictions(tiny_models):
+    path = str(tiny_models["gemma3"])
+    tokenizer = load_tokenizer(path)
+    batch = tokenizer(["good", "awful plot"], padding=True, return_tensors="pt")
+    zero = load_classifier(path, ["a", "b", "c"])
+    assert torch.count_nonzero(zero.score.weight) == 0
+    with torch.no_grad():
+        probs = zero(**batch).logits.softmax(-1)
+    torch.testing.assert_close(probs, torch.full((2, 3), 1 / 3))
+    normal = load_classifier(path, ["a", "b", "c"], head_init="normal")
+    assert normal.score.weight.std() > 0.005
 
 
 def test_randomly_initialised_backbone_is_refused(tiny_models, tmp_path):

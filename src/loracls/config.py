@@ -66,6 +66,9 @@ class TrainConfig:
     """LoRA scaling numerator: updates are scaled by `lora_alpha / lora_r`."""
     lora_dropout: float = 0.05
     """Dropout on the LoRA input."""
+    head_init: str = "zero"
+    """How the new classification head starts: `zero` (every class equally likely at step 0) or `normal`
+    (transformers' N(0, initializer_range): on Gemma's large hidden states it starts confidently wrong)."""
     target_modules: str = "q_proj,v_proj"
     """Modules that get LoRA: comma-separated names (`q_proj,v_proj`) or one regular expression."""
     eval_every: int = 50
@@ -103,6 +106,7 @@ class TrainConfig:
             "eval_every": self.eval_every >= 1,
             "log_every": self.log_every >= 1,
             "metric": self.metric in ("macro_f1", "accuracy"),
+            "head_init": self.head_init in ("zero", "normal"),
             "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
             "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,

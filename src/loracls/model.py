@@ -131,11 +131,18 @@ def fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return changed
 
 
-def load_classifier(path: str, labels: list[str], trust_remote_code: bool = False) -> PreTrainedModel:
+def load_classifier(
+    path: str, labels: list[str], trust_remote_code: bool = False, head_init: str = "zero"
+) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
 
     A wrong repository or a bad conversion loads "successfully" with random weights; training it gives a
     plausible-looking but meaningless result, so that is refused here.
+
+    `head_init="zero"` starts the head at zero. Decoder hidden states are large (norm ~200 at Gemma 3's last
+    token), so transformers' N(0, 0.02) head starts with logit gaps of 5-10: every text confidently in one
+    class, a first loss of up to ~3 instead of ln(classes), and a short run at lr 2e-4 spends most of its
+    steps undoing that.
     """
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config.num_labels = len(labels)
@@ -162,6 +169,10 @@ def load_classifier(path: str, labels: list[str], trust_remote_code: bool = Fals
             f"'{head}' were randomly initialised (e.g. {(fresh + mismatched)[:5]}). The checkpoint does not "
             "match its config: check the model path or the conversion."
         )
+    if head_init == "zero":
+        with torch.no_grad():
+            for param in getattr(model, head).parameters():
+                param.zero_()
     return model
 
 

@@ -270,7 +270,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
 
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
-    model = load_classifier(model_path, splits.labels, cfg.trust_remote_code)
+    model = load_classifier(model_path, splits.labels, cfg.trust_remote_code, cfg.head_init)
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
 
