@@ -1,0 +1,54 @@
+"""fit()'s schedule, accumulation and stopping, read back from train_log.jsonl."""
+
+import json
+import math
+
+import pytest
+
+from loracls.config import TrainConfig
+from loracls.train import train
+
+
+def run_log(tmp_path, tiny_models, toy_csv, **overrides) -> tuple[list[dict], dict]:
+    cfg = TrainConfig(
+        model=str(tiny_models["gemma3"]),
+        data=str(toy_csv),
+        out=str(tmp_path / "run"),
+        batch_size=8,
+        grad_accum=2,
+        log_every=1,
+        max_length=32,
+        **overrides,
+    )
+    _, metrics = train(cfg)
+    log = [json.loads(line) for line in (tmp_path / "run/train_log.jsonl").read_text().splitlines()]
+    return log, metrics
+
+
+def test_warmup_then_cosine_to_zero(tmp_path, tiny_models, toy_csv):
+    # 96 training examples / (8 x 2) = 6 optimizer steps per epoch; 2 epochs = 12 steps
+    log, metrics = run_log(tmp_path, tiny_models, toy_csv, epochs=2, lr=1e-3, warmup_steps=3, eval_every=100)
+    lrs = [r["lr"] for r in log if r["kind"] == "train"]
+    assert len(lrs) == 12 and metrics["train"]["optimizer_steps"] == 12
+    assert lrs[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])  # linear warm-up reaches the peak
+    expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * (s - 3) / 9)) for s in range(4, 13)]
+    assert lrs[3:] == pytest.approx(expected)
+    assert lrs[-1] == pytest.approx(0, abs=1e-12)
+    assert metrics["train"]["examples_seen"] == 192
+
+
+def test_fractional_epochs_stop_part_way(tmp_path, tiny_models, toy_csv):
+    log, metrics = run_log(tmp_path, tiny_models, toy_csv, epochs=0.5, eval_every=100)
+    assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2, 3]
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [3]  # always validated at the end
+    assert metrics["best_val"]["step"] == 3
+
+
+def test_early_stopping_after_patience(tmp_path, tiny_models, toy_csv):
+    # a learning rate this small cannot change a prediction, so no validation improves on the first
+    log, metrics = run_log(
+        tmp_path, tiny_models, toy_csv, epochs=3, lr=1e-12, eval_every=1, early_stopping_patience=2
+    )
+    evals = [r for r in log if r["kind"] == "eval"]
+    assert [r["best"] for r in evals] == [True, False, False]
+    assert metrics["train"]["optimizer_steps"] == 3 and metrics["best_val"]["step"] == 1
