@@ -34,6 +34,14 @@ def test_length_sorted_prediction_keeps_input_order(tiny_models):
     np.testing.assert_allclose(batched, one_by_one, atol=1e-5)
     assert len({tuple(np.round(p, 5)) for p in batched}) == len(texts)  # distinct rows: a shuffle would show
 
+    # several batches under accelerate's autocast, as validation runs inside fit()
+    from accelerate import Accelerator
+
+    autocast = Accelerator(cpu=True).autocast()
+    np.testing.assert_allclose(
+        predict_probs(model, dataset, tokenizer, 2, "cpu", autocast), batched, atol=1e-6
+    )
+
 
 def test_metrics_on_known_predictions():
     gold, pred = [0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]

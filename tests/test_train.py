@@ -14,8 +14,8 @@ def run_log(tmp_path, tiny_models, toy_csv, **overrides) -> tuple[list[dict], di
         model=str(tiny_models["gemma3"]),
         data=str(toy_csv),
         out=str(tmp_path / "run"),
-        batch_size=8,
-        grad_accum=2,
+        batch_size=4,
+        grad_accum=4,
         log_every=1,
         max_length=32,
         **overrides,
@@ -26,7 +26,8 @@ def run_log(tmp_path, tiny_models, toy_csv, **overrides) -> tuple[list[dict], di
 
 
 def test_warmup_then_cosine_to_zero(tmp_path, tiny_models, toy_csv):
-    # 96 training examples / (8 x 2) = 6 optimizer steps per epoch; 2 epochs = 12 steps
+    # 96 training examples / (4 x 4) = 6 optimizer steps per epoch; 2 epochs = 12 steps; the 12 validation
+    # examples take 2 batches of 8, so validation runs several batches under autocast as on real data
     log, metrics = run_log(tmp_path, tiny_models, toy_csv, epochs=2, lr=1e-3, warmup_steps=3, eval_every=100)
     lrs = [r["lr"] for r in log if r["kind"] == "train"]
     assert len(lrs) == 12 and metrics["train"]["optimizer_steps"] == 12

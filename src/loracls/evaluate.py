@@ -34,10 +34,10 @@ def predict_probs(
     was_training = model.training
     model.eval()
     probs = np.zeros((len(dataset), model.config.num_labels), dtype=np.float32)
-    for indices, batch in zip(batches, loader, strict=True):
-        with autocast or contextlib.nullcontext():
+    with autocast or contextlib.nullcontext():  # entered once: accelerate's autocast() is single-use
+        for indices, batch in zip(batches, loader, strict=True):
             logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-        probs[indices] = torch.softmax(logits.float(), dim=-1).cpu().numpy()
+            probs[indices] = torch.softmax(logits.float(), dim=-1).cpu().numpy()
     model.train(was_training)
     return probs
 
