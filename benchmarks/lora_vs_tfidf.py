@@ -80,6 +80,7 @@ def main() -> None:
         help="also train a variant of the defaults with these overrides (repeatable)",
     )
     args = parser.parse_args()
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)  # the code that runs
 
     cfg = TrainConfig(data=args.data, max_train_examples=args.train, max_eval_examples=args.eval)
     full = load_splits(TrainConfig(data=args.data, max_eval_examples=args.eval))
@@ -106,7 +107,6 @@ def main() -> None:
         gain, errors = r["accuracy"] - baseline["accuracy"], (1 - r["accuracy"]) / (1 - baseline["accuracy"])
         print(f"{name} - baseline: {gain:+.4f} accuracy; error rate {errors:.2f}x the baseline's")
 
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     result = {
         "question": "LoRA defaults vs TF-IDF + LR on the same training examples",
         "command": "python benchmarks/lora_vs_tfidf.py " + " ".join(sys.argv[1:]),
