@@ -13,12 +13,19 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4AudioConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from typer.testing import CliRunner
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARACTERS = string.printable.strip() + " " + "很好差的书"
@@ -58,6 +65,35 @@ def build_tiny(family: str, folder: Path) -> Path:
             **WIDTH,
         )
         model, tokenizer = Gemma3ForCausalLM(config), char_tokenizer()
+    elif family in ("gemma4", "gemma4mm"):
+        config = gemma4_text_config(vocab)
+        if family == "gemma4":
+            model = Gemma4ForCausalLM(config)
+        else:
+            # the multimodal checkpoint: the language model sits under model.language_model, beside
+            # vision and audio towers built from Gemma4ClippableLinear (which PEFT cannot wrap)
+            vision = Gemma4VisionConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                head_dim=16,
+                use_clipped_linears=True,
+            )
+            audio = Gemma4AudioConfig(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                subsampling_conv_channels=[8, 4],
+                output_proj_dims=32,
+            )
+            model = Gemma4ForConditionalGeneration(
+                Gemma4Config(
+                    text_config=config.to_dict(), vision_config=vision.to_dict(), audio_config=audio.to_dict()
+                )
+            )
+        tokenizer = char_tokenizer()
     elif family == "llama":
         config = LlamaConfig(vocab_size=vocab, pad_token_id=None, eos_token_id=1, bos_token_id=2, **WIDTH)
         model, tokenizer = LlamaForCausalLM(config), char_tokenizer(with_pad_and_unk=False)
@@ -71,10 +107,29 @@ def build_tiny(family: str, folder: Path) -> Path:
     return folder
 
 
+def gemma4_text_config(vocab: int) -> Gemma4TextConfig:
+    """Gemma 4's text model at test size, with its per-layer input embeddings (PLE) switched on."""
+    return Gemma4TextConfig(
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        hidden_size_per_layer_input=8,
+        global_head_dim=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        **WIDTH,
+    )
+
+
+FAMILIES = ("gemma3", "gemma4", "gemma4mm", "llama", "qwen3")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {family: build_tiny(family, root / family) for family in ("gemma3", "llama", "qwen3")}
+    return {family: build_tiny(family, root / family) for family in FAMILIES}
 
 
 def toy_reviews(n: int, seed: int = 0) -> pd.DataFrame:
@@ -97,3 +152,32 @@ def toy_csv(tmp_path) -> Path:
     path = tmp_path / "reviews.csv"
     toy_reviews(120).to_csv(path, index=False)
     return path
+
+
+FAST = [
+    *("--epochs", "2", "--batch-size", "8", "--grad-accum", "2", "--eval-every", "4"),
+    *("--log-every", "2", "--lr", "5e-3", "--max-length", "64"),
+]
+"""Training options that finish a toy run in seconds."""
+
+
+def invoke(*args):
+    """Run the `loracls` CLI in-process."""
+    from loracls.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_models, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """One finished run per model family through the CLI, shared by the tests: (run folder, output)."""
+    root = tmp_path_factory.mktemp("runs")
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    runs = {}
+    for family, model in tiny_models.items():
+        out = root / family
+        result = invoke("train", "--model", model, "--data", data, "--out", out, *FAST)
+        assert result.exit_code == 0, result.output
+        runs[family] = (out, result.output)
+    return runs

@@ -7,53 +7,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from loracls.cli import app
 from loracls.predict import Classifier
-
-runner = CliRunner()
-FAST = [
-    "--epochs",
-    "2",
-    "--batch-size",
-    "8",
-    "--grad-accum",
-    "2",
-    "--eval-every",
-    "4",
-    "--log-every",
-    "2",
-    "--lr",
-    "5e-3",
-    "--max-length",
-    "64",
-]
+from tests.conftest import FAMILIES, invoke
 
 
-def invoke(*args: str):
-    result = runner.invoke(app, [str(a) for a in args])
-    return result
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_models, tmp_path_factory):
-    """One finished run per model family, shared by the tests below."""
-    root = tmp_path_factory.mktemp("runs")
-    from tests.conftest import toy_reviews
-
-    data = root / "reviews.csv"
-    toy_reviews(120).to_csv(data, index=False)
-    runs = {}
-    for family, model in tiny_models.items():
-        out = root / family
-        result = invoke("train", "--model", model, "--data", data, "--out", out, *FAST)
-        assert result.exit_code == 0, result.output
-        runs[family] = (out, result.output)
-    return runs
-
-
-@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_train_writes_the_whole_run_folder(trained, family):
     run, output = trained[family]
     assert "test accuracy" in output and str(run) in output

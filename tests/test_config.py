@@ -15,7 +15,7 @@ def test_every_field_has_a_docstring():
 def test_defaults_follow_the_recipe():
     cfg = TrainConfig()
     assert (cfg.lr, cfg.batch_size, cfg.grad_accum, cfg.lora_r, cfg.lora_alpha) == (2e-4, 16, 2, 8, 16)
-    assert cfg.target_modules == "q_proj,v_proj" and cfg.max_length == 256 and cfg.effective_batch_size == 32
+    assert cfg.target_modules == "attn-qv" and cfg.max_length == 256 and cfg.effective_batch_size == 32
 
 
 def test_yaml_then_overrides(tmp_path):

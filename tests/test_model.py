@@ -3,8 +3,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loracls.errors import LoraclsError
-from loracls.model import fix_tokenizer, load_classifier, load_tokenizer, resolve_model
-from tests.conftest import char_tokenizer
+from loracls.model import (
+    fix_tokenizer,
+    generic_classifier_class,
+    load_classifier,
+    load_tokenizer,
+    resolve_model,
+)
+from tests.conftest import FAMILIES, char_tokenizer
 
 LABELS = ["negative", "positive"]
 
@@ -42,7 +48,7 @@ def test_tokenizer_without_eos_is_refused():
         fix_tokenizer(tokenizer)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_padded_batch_gives_the_same_logits_as_single_texts(tiny_models, family):
     path = str(tiny_models[family])
     tokenizer = load_tokenizer(path)
@@ -102,3 +108,47 @@ def test_model_resolution_errors(tmp_path):
     with pytest.raises(LoraclsError, match="Model not found"):
         resolve_model("./no/such/model")
     assert resolve_model("org/name") == "org/name"  # a hub id is passed through to from_pretrained
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4mm"])
+def test_gemma4_gets_our_classifier_on_its_language_model_only(tiny_models, family):
+    model = load_classifier(str(tiny_models[family]), LABELS)
+    assert type(model).__name__ == "Gemma4TextForSequenceClassification"
+    assert model.config.model_type == "gemma4_text" and model.config.id2label == {
+        0: "negative",
+        1: "positive",
+    }
+    assert not [n for n, _ in model.named_modules() if "vision" in n or "audio" in n]
+    source = load_file(tiny_models[family] / "model.safetensors")
+    prefix = "model.language_model." if family == "gemma4mm" else "model."
+    for key in ("layers.1.self_attn.q_proj.weight", "embed_tokens_per_layer.weight", "norm.weight"):
+        torch.testing.assert_close(model.state_dict()["model." + key], source[prefix + key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "problem_type", ["single_label_classification", "multi_label_classification", "regression"]
+)
+def test_generic_classifier_follows_transformers_loss_conventions(tiny_models, problem_type):
+    """Our class built for Llama computes what transformers' own LlamaForSequenceClassification computes."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    path = tiny_models["llama"]
+    num_labels = 1 if problem_type == "regression" else 3
+    ours = generic_classifier_class(LlamaConfig).from_pretrained(
+        path, num_labels=num_labels, problem_type=problem_type, pad_token_id=1
+    )
+    theirs = LlamaForSequenceClassification.from_pretrained(
+        path, num_labels=num_labels, problem_type=problem_type, pad_token_id=1
+    )
+    assert type(ours) is not LlamaForSequenceClassification
+    theirs.score.load_state_dict(ours.score.state_dict())
+    ids = torch.tensor([[5, 6, 7, 1, 1], [8, 9, 10, 11, 12]])
+    labels = {
+        "single_label_classification": torch.tensor([2, 0]),
+        "multi_label_classification": torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]),
+        "regression": torch.tensor([0.5, -1.0]),
+    }[problem_type]
+    a, b = ours(input_ids=ids, labels=labels), theirs(input_ids=ids, labels=labels)
+    torch.testing.assert_close(a.logits, b.logits)
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.loss > 0

@@ -33,6 +33,7 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -137,7 +138,7 @@ def evaluate(
 
 @app.command()
 def predict(
-    run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
+    path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
     input: Annotated[Path | None, typer.Option("--input", help="CSV/JSONL/Parquet file of texts")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Write .jsonl or .csv here")] = None,
@@ -148,18 +149,18 @@ def predict(
 
     from loracls.data import read_table
     from loracls.predict import Classifier
-    from loracls.runs import RunFolder
 
     try:
         if bool(texts) == bool(input):
             raise LoraclsError("Give texts as arguments or --input FILE (one of the two)")
-        column = text_column or RunFolder(run_dir).read_config().text_column
+        classifier = Classifier.load(path)
+        column = text_column or classifier.text_column
         if input is not None:
             frame = read_table(input)
             if column not in frame.columns:
                 raise LoraclsError(f"{input}: no text column '{column}'; columns: {list(frame.columns)}")
             texts = [str(t) for t in frame[column]]
-        records = Classifier.from_run(str(run_dir)).predict(texts)
+        records = classifier.predict(texts)
     except LoraclsError as e:
         fail(e)
     if output is None:
@@ -177,6 +178,55 @@ def predict(
             "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
         )
     console.print(f"{len(records)} predictions written to {output}")
+
+
+@app.command()
+def targets(
+    model: Annotated[str, typer.Option(help="Model alias, folder, .gguf file or hub id")] = TrainConfig.model,
+    target_modules: Annotated[
+        str,
+        typer.Option("--target-modules", "--preset", help="Preset (attn-qv, attn, all-linear), names, regex"),
+    ] = TrainConfig.target_modules,
+    lora_r: Annotated[int, typer.Option(help="LoRA rank")] = TrainConfig.lora_r,
+    num_labels: Annotated[int, typer.Option(help="Number of classes (sizes the head)")] = 2,
+    allow_few_targets: Annotated[bool, typer.Option(help="Do not refuse small selections")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own code")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
+) -> None:
+    """Show which modules would get LoRA and what would be trained, without loading weights or training."""
+    from loracls.lora import plan_for_model, targets_line
+
+    try:
+        plan = plan_for_model(model, target_modules, lora_r, num_labels, allow_few_targets, trust_remote_code)
+    except LoraclsError as e:
+        fail(e)
+    if as_json:
+        sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
+        return
+    table = Table(
+        "layers", "modules with LoRA", "LoRA parameters per layer", title=f"{model}: {target_modules}"
+    )
+    for layers, names, count in plan.layer_groups():
+        table.add_row(layers, ", ".join(names), f"{count:,}")
+    console.print(table)
+    console.print(targets_line(plan))
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
+    out: Annotated[Path, typer.Option("--out", help="The folder to write")],
+    adapter_only: Annotated[bool, typer.Option(help="Write the LoRA adapter and head only")] = False,
+) -> None:
+    """Write a standalone classifier (LoRA merged; loads with plain transformers) or the adapter alone."""
+    from loracls.export import export_run
+
+    try:
+        folder = export_run(run_dir, out, adapter_only)
+    except LoraclsError as e:
+        fail(e)
+    kind = "adapter + head" if adapter_only else "merged classifier (checked: config, head, tokenizer)"
+    console.print(f"{kind} written to {folder}", soft_wrap=True)
 
 
 def per_class_table(metrics: dict) -> Table:

@@ -69,8 +69,12 @@ class TrainConfig:
     head_init: str = "zero"
     """How the new classification head starts: `zero` (every class equally likely at step 0) or `normal`
     (transformers' N(0, initializer_range): on Gemma's large hidden states it starts confidently wrong)."""
-    target_modules: str = "q_proj,v_proj"
-    """Modules that get LoRA: comma-separated names (`q_proj,v_proj`) or one regular expression."""
+    target_modules: str = "attn-qv"
+    """Modules that get LoRA: a preset (`attn-qv` = q_proj,v_proj; `attn` = q,k,v,o_proj; `all-linear`),
+    comma-separated names (`q_proj,v_proj`) or one regular expression; only ever linear layers inside the
+    language model's decoder layers."""
+    allow_few_targets: bool = False
+    """Train even when target_modules gives under a quarter of the LoRA parameters of `attn-qv`."""
     eval_every: int = 50
     """Evaluate on the validation set every this many optimizer steps (and always at the end)."""
     log_every: int = 10

@@ -4,22 +4,39 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+from rich.console import Console
 
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
-from loracls.model import head_name
+from loracls.model import empty_classifier, head_name, resolve_model
+
+console = Console(stderr=True)
+
+PRESETS: dict[str, tuple[str, ...] | None] = {
+    "attn-qv": ("q_proj", "v_proj"),
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "all-linear": None,
+}
+"""Named selections, always within the language model's decoder layers; `None` means every linear layer
+there (attention, MLP and, for Gemma 4, the per-layer-input projections)."""
+
+DEFAULT_PRESET = "attn-qv"
+MIN_SHARE_OF_DEFAULT = 0.25
+"""A selection with fewer LoRA parameters than this share of the default preset's is refused."""
 
 REGEX_CHARACTERS = set("*+?[](){}|^$\\")
+TOWER_WORDS = ("vision", "audio", "encoder", "tower")
 
 
 def parse_target_spec(spec: str) -> list[str] | str:
     """`q_proj,v_proj` becomes a list of names; anything with regex characters stays one pattern."""
     spec = spec.strip()
     if not spec:
-        raise LoraclsError("target_modules is empty; e.g. --target-modules q_proj,v_proj")
+        raise LoraclsError("target_modules is empty; e.g. --target-modules attn-qv or q_proj,v_proj")
     if REGEX_CHARACTERS & set(spec):
         try:
             re.compile(spec)
@@ -36,60 +53,196 @@ def matches(module_name: str, spec: list[str] | str) -> bool:
     return any(module_name == name or module_name.endswith("." + name) for name in spec)
 
 
-def resolve_target_modules(model: torch.nn.Module, spec: str) -> list[str]:
-    """The full names of the modules that will get LoRA; refuse selections that cannot work.
-
-    The head is excluded (it is trained in full through `modules_to_save`). A selection that matches
-    nothing, or that reaches embeddings or norms, is refused: LoRA on `embed_tokens` alone trains a few
-    hundred thousand parameters that barely move a classifier, and nothing says so.
-    """
-    pattern = parse_target_spec(spec)
-    head = head_name(model)
-    candidates = {n: m for n, m in model.named_modules() if n and n != head and not n.startswith(head + ".")}
-    chosen = [n for n in candidates if matches(n, pattern)]
-    linear_kinds = sorted(
-        Counter(n.rsplit(".", 1)[-1] for n, m in candidates.items() if isinstance(m, torch.nn.Linear))
-    )
-    if not chosen:
+def decoder_layers(model: torch.nn.Module) -> str:
+    """The name of the language model's `layers` ModuleList (the largest outside any vision/audio tower)."""
+    lists = [
+        (sum(p.numel() for p in module.parameters()), name)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.ModuleList)
+        and name.rsplit(".", 1)[-1] == "layers"
+        and not any(word in name for word in TOWER_WORDS)
+    ]
+    if not lists:
         raise LoraclsError(
-            f"target_modules {spec!r} matches no module. Linear modules of this model: "
-            f"{', '.join(linear_kinds)}"
+            f"{type(model).__name__} has no `layers` list of decoder layers; loracls cannot place LoRA on it"
         )
-    not_linear = [n for n in chosen if not isinstance(candidates[n], torch.nn.Linear)]
+    return max(lists)[1]
+
+
+@dataclass
+class TargetPlan:
+    """The modules that get LoRA and what that costs, worked out before any adapter is created."""
+
+    target_modules: str
+    modules: dict[str, int]
+    """Full module name -> its LoRA parameters; all are linear layers inside the decoder layers."""
+    head_parameters: int
+    base_parameters: int
+    ignored: list[str] = field(default_factory=list)
+    """Modules the user's selection also matched outside the decoder layers, left without LoRA."""
+
+    @property
+    def lora_parameters(self) -> int:
+        return sum(self.modules.values())
+
+    @property
+    def trainable(self) -> int:
+        return self.lora_parameters + self.head_parameters
+
+    @property
+    def share(self) -> float:
+        """Trainable parameters as a share of the base model's."""
+        return self.trainable / self.base_parameters
+
+    def by_layer(self) -> dict[int, dict[str, int]]:
+        """`{0: {"self_attn.q_proj": 13312, ...}, ...}`: each decoder layer's targets and their LoRA sizes."""
+        layers: dict[int, dict[str, int]] = {}
+        for name, count in self.modules.items():
+            index = re.search(r"layers\.(\d+)\.", name).group(1)
+            layers.setdefault(int(index), {})[name.split(f"layers.{index}.", 1)[1]] = count
+        return layers
+
+    def layer_groups(self) -> list[tuple[str, list[str], int]]:
+        """Runs of consecutive layers with equal targets: ("0-17", ["self_attn.q_proj", ...], per layer)."""
+        groups: list[tuple[list[int], dict[str, int]]] = []
+        for index, targets in sorted(self.by_layer().items()):
+            if groups and groups[-1][1] == targets and groups[-1][0][-1] == index - 1:
+                groups[-1][0].append(index)
+            else:
+                groups.append(([index], targets))
+        return [
+            (f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0]), list(targets), sum(targets.values()))
+            for ids, targets in groups
+        ]
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "lora_parameters": self.lora_parameters,
+            "trainable": self.trainable,
+            "share": self.share,
+            "by_layer": self.by_layer(),
+        }
+
+
+def targets_line(plan: TargetPlan) -> str:
+    """One line for the start of a run: how many modules of which kinds, and what is trained."""
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in plan.modules})
+    return (
+        f"LoRA on {len(plan.modules)} modules ({', '.join(kinds)} in {len(plan.by_layer())} layers); "
+        f"trainable {plan.trainable:,} (LoRA {plan.lora_parameters:,} + head {plan.head_parameters:,}) "
+        f"= {plan.share:.3%} of {plan.base_parameters:,}"
+    )
+
+
+def lora_parameters(model: torch.nn.Module, names: list[str], r: int) -> dict[str, int]:
+    """r x (in + out) per module: the A and B matrices LoRA adds to each linear layer."""
+    modules = dict(model.named_modules())
+    return {n: r * (modules[n].in_features + modules[n].out_features) for n in names}
+
+
+def select(model: torch.nn.Module, spec: str) -> tuple[list[str], list[str]]:
+    """(targets, ignored): the linear modules in the decoder layers it names, and its matches outside."""
+    layers = decoder_layers(model) + "."
+    modules = dict(model.named_modules())
+    linear = [n for n, m in modules.items() if n.startswith(layers) and isinstance(m, torch.nn.Linear)]
+    kinds = ", ".join(sorted(Counter(n.rsplit(".", 1)[-1] for n in linear)))
+    if spec in PRESETS:
+        wanted = PRESETS[spec]
+        chosen = [n for n in linear if wanted is None or n.rsplit(".", 1)[-1] in wanted]
+        if not chosen:
+            raise LoraclsError(
+                f"Preset {spec!r} ({', '.join(wanted)}) matches nothing in this model's decoder layers. "
+                f"Linear modules there: {kinds}"
+            )
+        return chosen, []
+    pattern = parse_target_spec(spec)
+    matched = [n for n in modules if n and matches(n, pattern)]
+    inside = [n for n in matched if n.startswith(layers)]
+    not_linear = [n for n in inside if not isinstance(modules[n], torch.nn.Linear)]
     if not_linear:
-        kinds = sorted({type(candidates[n]).__name__ for n in not_linear})
         raise LoraclsError(
             f"target_modules {spec!r} reaches {len(not_linear)} non-linear module(s) "
-            f"({', '.join(kinds)}; e.g. "
-            f"{not_linear[0]}). LoRA belongs on linear layers: choose from {', '.join(linear_kinds)}."
+            f"({', '.join(sorted({type(modules[n]).__name__ for n in not_linear}))}; e.g. {not_linear[0]}). "
+            f"LoRA belongs on linear layers: choose from {kinds}, or a preset ({', '.join(PRESETS)})."
         )
-    return chosen
+    outside = [n for n in matched if not n.startswith(layers)]
+    if not inside:
+        if outside:
+            found = ", ".join(f"{n} ({type(modules[n]).__name__})" for n in outside[:4])
+            raise LoraclsError(
+                f"target_modules {spec!r} matches only modules outside the decoder layers: {found}. "
+                "LoRA on embeddings, norms or the head trains a small fraction of the parameters and barely "
+                f"moves a classifier. Choose from {kinds}, or a preset ({', '.join(PRESETS)})."
+            )
+        raise LoraclsError(
+            f"target_modules {spec!r} matches no module. Linear modules in the decoder layers: {kinds}; "
+            f"presets: {', '.join(PRESETS)}"
+        )
+    return inside, outside
 
 
-def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> PeftModel:
-    """Add LoRA to the resolved targets; the head is named in `modules_to_save` so it is trained and saved."""
-    targets = resolve_target_modules(model, cfg.target_modules)
+def plan_targets(model: torch.nn.Module, spec: str, r: int, allow_few_targets: bool = False) -> TargetPlan:
+    """Resolve `spec` (a preset, names or a regex) to exact module names; refuse selections that cannot work.
+
+    Only linear layers inside the language model's decoder layers are ever chosen: never the embeddings,
+    the norms, the head (trained in full through `modules_to_save`) or a vision/audio tower. A selection
+    that trains far fewer LoRA parameters than the default preset is refused unless `allow_few_targets`:
+    a wildcard that catches one module trains for hours without moving the accuracy.
+    """
+    chosen, ignored = select(model, spec)
+    modules = lora_parameters(model, chosen, r)
+    lora = sum(modules.values())
+    if spec != DEFAULT_PRESET and not allow_few_targets:
+        try:
+            default = sum(lora_parameters(model, select(model, DEFAULT_PRESET)[0], r).values())
+        except LoraclsError:
+            default = 0
+        if lora < MIN_SHARE_OF_DEFAULT * default:
+            raise LoraclsError(
+                f"target_modules {spec!r} gives {lora:,} LoRA parameters on {len(chosen)} module(s), "
+                f"under {MIN_SHARE_OF_DEFAULT:.0%} of the {default:,} that preset {DEFAULT_PRESET!r} gives. "
+                "Widen the selection, or set allow_few_targets=true if this is intended."
+            )
+    if ignored:
+        console.print(
+            f"[yellow]target_modules {spec!r} also matches {len(ignored)} module(s) outside the decoder "
+            f"layers (e.g. {ignored[0]}); they get no LoRA[/]"
+        )
+    head = getattr(model, head_name(model))
+    return TargetPlan(
+        target_modules=spec,
+        modules=modules,
+        head_parameters=sum(p.numel() for p in head.parameters()),
+        base_parameters=sum(p.numel() for p in model.parameters()),
+        ignored=ignored,
+    )
+
+
+def plan_for_model(
+    model: str,
+    spec: str,
+    r: int,
+    num_labels: int = 2,
+    allow_few_targets: bool = False,
+    trust_remote_code: bool = False,
+) -> TargetPlan:
+    """`plan_targets` for a model name or path, without loading its weights (the model is built on meta)."""
+    labels = [f"label_{i}" for i in range(num_labels)]
+    skeleton = empty_classifier(resolve_model(model), labels, trust_remote_code)
+    return plan_targets(skeleton, spec, r, allow_few_targets)
+
+
+def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, TargetPlan]:
+    """Add LoRA to the planned targets; the head is named in `modules_to_save` so it is trained and saved."""
+    plan = plan_targets(model, cfg.target_modules, cfg.lora_r, cfg.allow_few_targets)
     lora_config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=list(plan.modules),
         modules_to_save=[head_name(model)],
         bias="none",
     )
-    return get_peft_model(model, lora_config)
-
-
-def trainable_summary(model: torch.nn.Module) -> dict[str, int | float]:
-    """Trainable LoRA and head parameters, and their share of the whole model."""
-    lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return {
-        "lora": lora,
-        "head": trainable - lora,
-        "trainable": trainable,
-        "total": total,
-        "share": trainable / total,
-    }
+    return get_peft_model(model, lora_config), plan

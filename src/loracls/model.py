@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from rich.console import Console
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
 
 from loracls.errors import LoraclsError
 
@@ -131,6 +136,72 @@ def fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return changed
 
 
+LANGUAGE_MODEL_KEYS = {r"^model\.language_model\.": "model."}
+"""Where transformers' multimodal checkpoints (Gemma 3/4, ...) keep the language model's weights."""
+
+
+@functools.cache
+def generic_classifier_class(config_class: type[PretrainedConfig]) -> type[PreTrainedModel]:
+    """`<Backbone>ForSequenceClassification` for a decoder that transformers gives no such class (Gemma 4).
+
+    It is transformers' own `GenericForSequenceClassification` (backbone hidden states, a bias-free linear
+    `score`, the last non-pad token pooled, the loss chosen by `config.problem_type`) mixed into the
+    backbone's `PreTrainedModel`, so `save_pretrained`/`from_pretrained` work as for any transformers model.
+    It is registered with `AutoModelForSequenceClassification`, which is how an export of it loads again.
+    """
+    try:
+        backbone = MODEL_MAPPING[config_class]
+    except KeyError:
+        raise LoraclsError(f"transformers has no backbone model for {config_class.model_type}") from None
+    pretrained = next(
+        c for c in backbone.__mro__[1:] if issubclass(c, PreTrainedModel) and c is not PreTrainedModel
+    )
+    name = backbone.__name__.removesuffix("Model") + "ForSequenceClassification"
+    attributes = {"config_class": config_class, "input_modalities": ("text",), "__module__": __name__}
+    cls = type(name, (GenericForSequenceClassification, pretrained), attributes)
+    if config_class not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        # exist_ok: transformers silently skips registering its own config classes otherwise
+        AutoModelForSequenceClassification.register(config_class, cls, exist_ok=True)
+    return cls
+
+
+def classifier_class(config: PretrainedConfig) -> tuple[type[PreTrainedModel], PretrainedConfig, dict | None]:
+    """The class to load, the config to give it, and the checkpoint key mapping it needs.
+
+    transformers' own class when the checkpoint's `model_type` has one; otherwise the text model of a
+    multimodal checkpoint (its vision/audio towers are never loaded); otherwise our generic class.
+    """
+    if type(config) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(config)], config, None
+    if "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {}):
+        return AutoModelForSequenceClassification, config, None
+    text = config.get_text_config()
+    key_mapping = None if text is config else LANGUAGE_MODEL_KEYS
+    if type(text) in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
+        return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(text)], text, key_mapping
+    return generic_classifier_class(type(text)), text, key_mapping
+
+
+def classifier_config(path: str, labels: list[str], trust_remote_code: bool = False):
+    """`classifier_class()` for the checkpoint at `path`, its config carrying the labels."""
+    cls, config, key_mapping = classifier_class(
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    )
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {name: i for i, name in enumerate(labels)}
+    return cls, config, key_mapping
+
+
+def empty_classifier(path: str, labels: list[str], trust_remote_code: bool = False) -> PreTrainedModel:
+    """The classifier's structure on the meta device: shapes and names, no weights read or allocated."""
+    cls, config, _ = classifier_config(path, labels, trust_remote_code)
+    with init_empty_weights():
+        if cls is AutoModelForSequenceClassification:
+            return cls.from_config(config, trust_remote_code=trust_remote_code)
+        return cls._from_config(config)
+
+
 def load_classifier(
     path: str, labels: list[str], trust_remote_code: bool = False, head_init: str = "zero"
 ) -> PreTrainedModel:
@@ -144,22 +215,19 @@ def load_classifier(
     class, a first loss of up to ~3 instead of ln(classes), and a short run at lr 2e-4 spends most of its
     steps undoing that.
     """
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    config.num_labels = len(labels)
-    config.id2label = dict(enumerate(labels))
-    config.label2id = {name: i for i, name in enumerate(labels)}
-    try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path,
-            config=config,
-            dtype=torch.float32,
-            output_loading_info=True,
-            trust_remote_code=trust_remote_code,
-        )
-    except ValueError as e:
-        raise LoraclsError(
-            f"{path} ({config.model_type}) has no sequence-classification class: {e}"
-        ) from None
+    cls, config, key_mapping = classifier_config(path, labels, trust_remote_code)
+    model, info = cls.from_pretrained(
+        path,
+        config=config,
+        dtype=torch.float32,
+        output_loading_info=True,
+        trust_remote_code=trust_remote_code,
+        key_mapping=key_mapping,
+    )
+    if key_mapping:
+        # transformers would undo the renaming on save_pretrained, writing `model.language_model.*` keys that
+        # a text-only classifier cannot load back; saved weights must use this model's own names
+        model._weight_conversions = None
     head = head_name(model)
     fresh = sorted(k for k in info["missing_keys"] if not k.startswith(head + "."))
     mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
@@ -174,6 +242,16 @@ def load_classifier(
             for param in getattr(model, head).parameters():
                 param.zero_()
     return model
+
+
+def from_pretrained(path: str, **kwargs) -> PreTrainedModel:
+    """Load an exported classifier: `AutoModelForSequenceClassification` with loracls's classes registered.
+
+    Exports of families transformers covers load without loracls; a Gemma 4 export needs this call (or
+    `generic_classifier_class(type(config))` once before the Auto call).
+    """
+    classifier_class(AutoConfig.from_pretrained(path, **kwargs))
+    return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
 
 
 def head_name(model: torch.nn.Module) -> str:

@@ -1,8 +1,10 @@
-"""Load a finished run (base model + adapter + head, merged) and classify texts with it."""
+"""Load a fine-tuned classifier (a run folder or an export) and classify texts with it."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -11,9 +13,27 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.data import tokenize
+from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs
-from loracls.model import load_classifier, load_tokenizer, resolve_model
+from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder
+
+EXPORT_INFO = "loracls.json"
+"""Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def merge_adapter(
+    base_model: str, adapter: Path, labels: list[str], trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer."""
+    tokenizer = load_tokenizer(str(adapter))
+    base = load_classifier(resolve_model(base_model), labels, trust_remote_code)
+    base.config.pad_token_id = tokenizer.pad_token_id
+    return PeftModel.from_pretrained(base, str(adapter)).merge_and_unload(), tokenizer
 
 
 @dataclass
@@ -25,19 +45,49 @@ class Classifier:
     labels: list[str]
     max_length: int
     batch_size: int = 32
+    text_column: str = "text"
 
     @classmethod
-    def from_run(cls, run_dir: str) -> Classifier:
+    def load(cls, path: str | Path, device: torch.device | None = None) -> Classifier:
+        """A finished run folder, or an export folder (merged or adapter-only)."""
+        path = Path(path)
+        if (path / "status.json").is_file():
+            return cls.from_run(path, device)
+        if (path / EXPORT_INFO).is_file():
+            return cls.from_export(path, device)
+        raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, device: torch.device | None = None) -> Classifier:
         run = RunFolder(run_dir)
         run.check_finished()
         cfg = run.read_config()
-        labels = run.read_labels()
-        tokenizer = load_tokenizer(str(run.best))
-        base = load_classifier(resolve_model(cfg.model), labels, cfg.trust_remote_code)
-        base.config.pad_token_id = tokenizer.pad_token_id
-        model = PeftModel.from_pretrained(base, str(run.best)).merge_and_unload()
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(model.to(device).eval(), tokenizer, labels, cfg.max_length, cfg.batch_size * 2)
+        model, tokenizer = merge_adapter(cfg.model, run.best, run.read_labels(), cfg.trust_remote_code)
+        return cls(
+            model.to(device or default_device()).eval(),
+            tokenizer,
+            run.read_labels(),
+            cfg.max_length,
+            cfg.batch_size * 2,
+            cfg.text_column,
+        )
+
+    @classmethod
+    def from_export(cls, path: str | Path, device: torch.device | None = None) -> Classifier:
+        path = Path(path)
+        info = json.loads((path / EXPORT_INFO).read_text(encoding="utf-8"))
+        if info["merged"]:
+            model, tokenizer = from_pretrained(str(path), dtype=torch.float32), load_tokenizer(str(path))
+        else:
+            model, tokenizer = merge_adapter(info["base_model"], path, info["labels"])
+        return cls(
+            model.to(device or default_device()).eval(),
+            tokenizer,
+            info["labels"],
+            info["max_length"],
+            info["batch_size"],
+            info["text_column"],
+        )
 
     def predict_probs(self, texts: list[str]) -> np.ndarray:
         table = pd.DataFrame({"text": texts, "label": self.labels[0]})

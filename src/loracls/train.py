@@ -23,7 +23,7 @@ from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
-from loracls.lora import apply_lora, trainable_summary
+from loracls.lora import apply_lora, targets_line
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder, environment, write_jsonl
 
@@ -284,19 +284,9 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
             f"[yellow]{share:.0%} of training texts are truncated at max_length={cfg.max_length}[/]"
         )
 
-    model = apply_lora(model, cfg)
-    summary = trainable_summary(model)
-    targets = sorted(
-        n.removeprefix("base_model.model.")
-        for n, m in model.named_modules()
-        if hasattr(m, "lora_A") and isinstance(m.lora_A, torch.nn.ModuleDict) and m.lora_A
-    )
-    run.write_json("targets.json", {"target_modules": cfg.target_modules, "modules": targets, **summary})
-    console.print(
-        f"LoRA on {len(targets)} modules; trainable {summary['trainable']:,} "
-        f"(LoRA {summary['lora']:,} + head {summary['head']:,}) = {summary['share']:.3%} of "
-        f"{summary['total']:,}"
-    )
+    model, plan = apply_lora(model, cfg)
+    run.write_json("targets.json", plan.to_json())
+    console.print(targets_line(plan))
 
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator)
 
@@ -318,7 +308,13 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
             "notes": splits.notes,
             "truncated_share": share,
         },
-        "trainable_parameters": summary,
+        "trainable_parameters": {
+            "lora": plan.lora_parameters,
+            "head": plan.head_parameters,
+            "trainable": plan.trainable,
+            "base": plan.base_parameters,
+            "share": plan.share,
+        },
     }
     run.write_json("metrics.json", metrics)
     return metrics

@@ -1,0 +1,115 @@
+"""Export a finished run as a standalone model (LoRA merged) or as its adapter, and check the result."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loracls.errors import LoraclsError
+from loracls.model import from_pretrained
+from loracls.predict import EXPORT_INFO, Classifier
+from loracls.runs import RunFolder, package_version, write_json
+
+
+def export_run(run_dir: str | Path, out: str | Path, adapter_only: bool = False) -> Path:
+    """Write `out`: by default the merged classifier (safetensors, config, tokenizer); else the adapter.
+
+    The folder is built under `out.partial` and renamed only once it has been verified, so a failed or
+    interrupted export never leaves a folder that looks usable.
+    """
+    run = RunFolder(run_dir)
+    run.check_finished()
+    cfg, labels = run.read_config(), run.read_labels()
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LoraclsError(f"{out} already exists and is not an empty folder; choose another --out")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if adapter_only:
+            shutil.copytree(run.best, tmp)
+        else:
+            classifier = Classifier.from_run(run.path, torch.device("cpu"))
+            classifier.model.save_pretrained(tmp)
+            classifier.tokenizer.save_pretrained(tmp)
+            verify_export(tmp, labels)
+            check_reload(tmp, classifier)
+        write_json(
+            tmp / EXPORT_INFO,
+            {
+                "merged": not adapter_only,
+                "labels": labels,
+                "max_length": cfg.max_length,
+                "batch_size": cfg.batch_size * 2,
+                "text_column": cfg.text_column,
+                "base_model": cfg.model,
+                "run": str(run.path.resolve()),
+                "loracls": package_version("loracls"),
+            },
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out
+
+
+def verify_export(folder: Path, labels: list[str]) -> None:
+    """Fail loudly unless `folder` is a classifier: its config says so, its head was saved, no LoRA is left.
+
+    Upstream tools have shipped merged classifiers whose head was silently dropped (the reloaded model then
+    gets a fresh random head) or whose config still said `...ForCausalLM`.
+    """
+    problems = []
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    architecture = (config.get("architectures") or ["(none)"])[0]
+    if not architecture.endswith("ForSequenceClassification"):
+        problems.append(f"config.json names architecture {architecture}, not a sequence classifier")
+    id2label = config.get("id2label", {})
+    if [id2label.get(str(i)) for i in range(len(labels))] != labels or len(id2label) != len(labels):
+        problems.append(f"config.json id2label {id2label} does not match the run's labels {labels}")
+    if config.get("pad_token_id") is None and (config.get("text_config") or {}).get("pad_token_id") is None:
+        problems.append("config.json has no pad_token_id (batched classification would fail)")
+    shapes = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118
+    heads = {k: v for k, v in shapes.items() if k.split(".")[-2:-1] in (["score"], ["classifier"])}
+    if not any(shape[0] == len(labels) for shape in heads.values()):
+        problems.append(f"no classification head with {len(labels)} outputs among the saved weights")
+    leftovers = [k for k in shapes if "lora_" in k or "modules_to_save" in k]
+    if leftovers:
+        problems.append(f"unmerged LoRA weights were saved (e.g. {leftovers[0]})")
+    if not (folder / "tokenizer_config.json").is_file():
+        problems.append("tokenizer_config.json is missing")
+    if problems:
+        raise LoraclsError(f"Export to {folder} failed its checks: " + "; ".join(problems))
+
+
+def check_reload(folder: Path, classifier: Classifier) -> None:
+    """Load `folder` the way users will and compare its logits with the merged model's on a probe batch.
+
+    This catches what file checks cannot: weights saved under names the class does not load (they would be
+    silently re-initialised) or a config that rebuilds a different model.
+    """
+    reloaded = from_pretrained(str(folder), dtype=torch.float32).eval()
+    batch = classifier.tokenizer(
+        ["a short text", "a somewhat longer text to classify, with padding after the first"],
+        padding=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        expected = classifier.model(**batch).logits
+        got = reloaded(**batch).logits
+    gap = float((expected - got).abs().max())
+    if not gap <= 1e-3 * max(1.0, float(expected.abs().max())):
+        raise LoraclsError(
+            f"Export to {folder} failed its reload check: logits of the reloaded model differ from the "
+            f"merged model's by {gap:.3g}. Some weights were not saved under the names the model loads."
+        )

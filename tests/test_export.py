@@ -1,0 +1,169 @@
+"""`targets` and `export` through the CLI, and reloading an export the way users would."""
+
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import loracls
+from loracls.errors import LoraclsError
+from loracls.export import export_run, verify_export
+from loracls.model import load_classifier, load_tokenizer
+from loracls.runs import RunFolder
+from tests.conftest import FAMILIES, invoke
+
+TEXTS = ["good story", "awful plot, very long and bad", "love"]
+WITH_TRANSFORMERS_CLASS = ("gemma3", "llama", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    folders = {}
+    for family, (run, _) in trained.items():
+        result = invoke("export", run, "--out", root / family)
+        assert result.exit_code == 0, result.output
+        folders[family] = root / family
+    return folders
+
+
+def unmerged_logits(run_dir, batch) -> torch.Tensor:
+    """The run's adapter on its base model, LoRA kept separate: the reference an export must reproduce."""
+    run = RunFolder(run_dir)
+    cfg = run.read_config()
+    base = load_classifier(cfg.model, run.read_labels())
+    base.config.pad_token_id = batch["pad_token_id"]
+    model = PeftModel.from_pretrained(base, str(run.best)).eval()
+    with torch.no_grad():
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_targets_prints_the_plan_without_training(tiny_models, family):
+    result = invoke("targets", "--model", tiny_models[family], "--preset", "attn", "--lora-r", "4")
+    assert result.exit_code == 0, result.output
+    assert "0-1" in result.output and "self_attn.q_proj, self_attn.k_proj" in result.output
+    assert "LoRA on 8 modules" in result.output and "head 64" in result.output
+    plan = json.loads(invoke("targets", "--model", tiny_models[family], "--json").output)
+    assert sorted(plan["by_layer"]) == ["0", "1"]
+    assert plan["trainable"] == plan["lora_parameters"] + plan["head_parameters"]
+
+
+def test_targets_refusal_exits_2_with_the_linear_names(tiny_models):
+    result = invoke("targets", "--model", tiny_models["gemma4mm"], "--target-modules", r".*embed_tokens")
+    assert result.exit_code == 2
+    assert "outside the decoder layers" in result.output and "q_proj" in result.output
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_run_targets_json_matches_the_targets_command(trained, tiny_models, family):
+    run, output = trained[family]
+    stored = json.loads((run / "targets.json").read_text())
+    printed = json.loads(invoke("targets", "--model", tiny_models[family], "--json").output)
+    assert stored["modules"] == printed["modules"] and len(stored["modules"]) == 4
+    assert f"LoRA on 4 modules (q_proj, v_proj in 2 layers); trainable {stored['trainable']:,}" in output
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_reloads_and_matches_the_unmerged_run(trained, exported, family):
+    folder = exported[family]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"][0].endswith("ForSequenceClassification")
+    assert config["id2label"] == {"0": "negative", "1": "positive"} and config["pad_token_id"] is not None
+    if family in WITH_TRANSFORMERS_CLASS:
+        model = AutoModelForSequenceClassification.from_pretrained(folder)  # nothing from loracls
+    else:
+        model = loracls.from_pretrained(str(folder))  # Gemma 4: the one documented call
+        assert type(model).__name__ == "Gemma4TextForSequenceClassification"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch = dict(tokenizer(TEXTS, padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        exported_logits = model.eval()(**batch).logits
+    reference = unmerged_logits(trained[family][0], {**batch, "pad_token_id": tokenizer.pad_token_id})
+    assert reference.abs().max() > 0.01  # the trained head is there, not a zero or fresh one
+    # merging adds W + BA in float32: equal up to rounding
+    torch.testing.assert_close(exported_logits, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma4mm", "qwen3"])
+def test_predict_accepts_run_and_exports(trained, exported, tmp_path, family):
+    run = trained[family][0]
+    adapter = tmp_path / "adapter"
+    result = invoke("export", run, "--out", adapter, "--adapter-only")
+    assert result.exit_code == 0, result.output
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "config.json").exists()
+    outputs = [invoke("predict", path, *TEXTS) for path in (run, exported[family], adapter)]
+    records = [[json.loads(line) for line in out.output.splitlines()] for out in outputs]
+    assert all(out.exit_code == 0 for out in outputs)
+    assert (
+        [r["label"] for r in records[0]]
+        == [r["label"] for r in records[1]]
+        == [r["label"] for r in records[2]]
+    )
+    for a, b in zip(records[0], records[1], strict=True):
+        for label, p in a["probabilities"].items():
+            assert abs(p - b["probabilities"][label]) < 1e-4
+
+
+def test_export_refuses_an_existing_folder_and_leaves_nothing_half_written(trained, tmp_path):
+    run = trained["llama"][0]
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    result = invoke("export", run, "--out", busy)
+    assert result.exit_code == 2 and "not an empty folder" in result.output
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "best").mkdir(parents=True)
+    RunFolder(unfinished).set_status("running")
+    with pytest.raises(LoraclsError, match="did not finish"):
+        export_run(unfinished, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_verify_export_catches_a_dropped_head_and_a_causal_lm_config(exported, tmp_path):
+    good = exported["llama"]
+    verify_export(good, ["negative", "positive"])
+
+    no_head = tmp_path / "no_head"
+    no_head.mkdir()
+    for item in good.iterdir():
+        (no_head / item.name).write_bytes(item.read_bytes())
+    weights = load_file(no_head / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("score.")}, no_head / "model.safetensors")
+    with pytest.raises(LoraclsError, match="no classification head with 2 outputs"):
+        verify_export(no_head, ["negative", "positive"])
+
+    config = json.loads((no_head / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (no_head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoraclsError, match="names architecture LlamaForCausalLM, not a sequence classifier"):
+        verify_export(no_head, ["negative", "positive"])
+    with pytest.raises(LoraclsError, match="does not match the run's labels"):
+        verify_export(good, ["neg", "pos"])
+
+
+def test_the_export_tokenizer_is_the_fixed_one(exported):
+    """pad/unk filled in from eos for Llama and Qwen are saved, so plain transformers can batch."""
+    tokenizer = load_tokenizer(str(exported["llama"]))
+    assert AutoTokenizer.from_pretrained(exported["llama"]).pad_token == tokenizer.pad_token == "<eos>"
+
+
+def test_reload_check_catches_weights_saved_under_foreign_names(trained, exported, tmp_path):
+    """transformers re-prefixes keys of a model loaded with a key mapping; the reload check must notice."""
+    from loracls.export import check_reload
+    from loracls.predict import Classifier
+
+    folder = tmp_path / "renamed"
+    folder.mkdir()
+    for item in exported["gemma4mm"].iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    weights = load_file(folder / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
+    save_file(renamed, folder / "model.safetensors")
+    classifier = Classifier.load(trained["gemma4mm"][0], torch.device("cpu"))
+    check_reload(exported["gemma4mm"], classifier)
+    with pytest.raises(LoraclsError, match="failed its reload check"):
+        check_reload(folder, classifier)
