@@ -65,6 +65,7 @@ def test_run_targets_json_matches_the_targets_command(trained, tiny_models, fami
     printed = json.loads(invoke("targets", "--model", tiny_models[family], "--json").output)
     assert stored["modules"] == printed["modules"] and len(stored["modules"]) == 4
     assert f"LoRA on 4 modules (q_proj, v_proj in 2 layers); trainable {stored['trainable']:,}" in output
+    assert "LoRA targets: attn-qv" in output and "self_attn.q_proj, self_attn.v_proj" in output
 
 
 @pytest.mark.parametrize("family", FAMILIES)

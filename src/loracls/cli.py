@@ -194,7 +194,7 @@ def targets(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
     """Show which modules would get LoRA and what would be trained, without loading weights or training."""
-    from loracls.lora import plan_for_model, targets_line
+    from loracls.lora import plan_for_model, targets_line, targets_table
 
     try:
         plan = plan_for_model(model, target_modules, lora_r, num_labels, allow_few_targets, trust_remote_code)
@@ -203,12 +203,7 @@ def targets(
     if as_json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
         return
-    table = Table(
-        "layers", "modules with LoRA", "LoRA parameters per layer", title=f"{model}: {target_modules}"
-    )
-    for layers, names, count in plan.layer_groups():
-        table.add_row(layers, ", ".join(names), f"{count:,}")
-    console.print(table)
+    console.print(targets_table(plan, f"{model}: {target_modules}"))
     console.print(targets_line(plan))
 
 

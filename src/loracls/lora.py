@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from rich.console import Console
+from rich.table import Table
 
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
@@ -133,6 +134,14 @@ def targets_line(plan: TargetPlan) -> str:
         f"trainable {plan.trainable:,} (LoRA {plan.lora_parameters:,} + head {plan.head_parameters:,}) "
         f"= {plan.share:.3%} of {plan.base_parameters:,}"
     )
+
+
+def targets_table(plan: TargetPlan, title: str = "") -> Table:
+    """The plan by layer: runs of layers with the same targets, and their LoRA parameters per layer."""
+    table = Table("layers", "modules with LoRA", "LoRA parameters per layer", title=title or None)
+    for layers, names, count in plan.layer_groups():
+        table.add_row(layers, ", ".join(names), f"{count:,}")
+    return table
 
 
 def lora_parameters(model: torch.nn.Module, names: list[str], r: int) -> dict[str, int]:

@@ -23,7 +23,7 @@ from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
-from loracls.lora import apply_lora, targets_line
+from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder, environment, write_jsonl
 
@@ -286,6 +286,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
 
     model, plan = apply_lora(model, cfg)
     run.write_json("targets.json", plan.to_json())
+    console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
     console.print(targets_line(plan))
 
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator)
