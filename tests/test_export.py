@@ -89,7 +89,7 @@ def test_export_reloads_and_matches_the_unmerged_run(trained, exported, family):
     torch.testing.assert_close(exported_logits, reference, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["gemma4mm", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_predict_accepts_run_and_exports(trained, exported, tmp_path, family):
     run = trained[family][0]
     adapter = tmp_path / "adapter"
