@@ -90,9 +90,79 @@ def train(
         f"(best validation step {metrics['best_val']['step']}, "
         f"{metrics['train']['examples_per_s']:.1f} train examples/s)"
     )
+    if metrics["baseline"]:
+        base = metrics["baseline"]
+        console.print(
+            f"prompt baseline ({base['headline']}, {base['shots']}-shot) accuracy {base['accuracy']:.4f}, "
+            f"macro-F1 {base['macro_f1']:.4f}; fine-tuned: {test['accuracy'] - base['accuracy']:+.4f} "
+            f"accuracy, {test['macro_f1'] - base['macro_f1']:+.4f} macro-F1"
+        )
     console.print(per_class_table(test))
     console.print(confusion_table(test))
     console.print(f"run folder: {run.path}", soft_wrap=True)
+
+
+@app.command()
+def baseline(
+    data: Annotated[str, typer.Option(help="A labelled file (scored in full) or a built-in dataset")],
+    model: Annotated[str, typer.Option(help="Model alias, folder, .gguf file or hub id")] = TrainConfig.model,
+    split: Annotated[str, typer.Option(help="Split of a built-in dataset: train, val or test")] = "test",
+    train: Annotated[str | None, typer.Option(help="Labelled file to draw --shots from")] = None,
+    shots: Annotated[int, typer.Option(help="Examples per prompt, balanced over labels")] = 0,
+    template: Annotated[
+        str | None, typer.Option(help="Query block with {text}; ends where the answer starts")
+    ] = None,
+    instruction: Annotated[
+        str | None, typer.Option(help="First line of the prompt; may use {options}")
+    ] = None,
+    verbalizers: Annotated[str | None, typer.Option(help="label=word,... (default: label names)")] = None,
+    label_order: Annotated[str | None, typer.Option(help="Labels in the order the prompt lists them")] = None,
+    calibrate: Annotated[bool, typer.Option(help="Headline the calibrated figures")] = False,
+    max_examples: Annotated[int | None, typer.Option(help="Score a stratified sample of this size")] = None,
+    max_length: Annotated[int, typer.Option(help="Tokens kept of each text")] = TrainConfig.max_length,
+    text_column: Annotated[str, typer.Option(help="Text column of a file")] = TrainConfig.text_column,
+    label_column: Annotated[str, typer.Option(help="Label column of a file")] = TrainConfig.label_column,
+    out: Annotated[Path | None, typer.Option(help="Write baseline_metrics.json and predictions here")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for the shots and the built-in splits")] = TrainConfig.seed,
+) -> None:
+    """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
+    from loracls.model import load_tokenizer, resolve_model
+    from loracls.zeroshot import (
+        baseline_line,
+        load_baseline_data,
+        load_causal_lm,
+        prompt_options,
+        run_baseline,
+    )
+
+    try:
+        cfg = TrainConfig(
+            model=model,
+            data=data,
+            seed=seed,
+            max_eval_examples=max_examples,
+            max_length=max_length,
+            text_column=text_column,
+            label_column=label_column,
+            baseline_shots=shots,
+            verbalizers=verbalizers,
+            prompt_template=template,
+            prompt_instruction=instruction,
+            label_order=label_order,
+            calibrate=calibrate,
+        )
+        table, shots_from, labels = load_baseline_data(data, split, train, cfg)
+        path = resolve_model(model)
+        tokenizer = load_tokenizer(path)
+        metrics = run_baseline(
+            load_causal_lm(path), tokenizer, table, labels, shots_from, prompt_options(cfg, labels), out
+        )
+    except LoraclsError as e:
+        fail(e)
+    console.print(baseline_line(metrics), soft_wrap=True)
+    console.print(
+        f"{len(table)} examples in {metrics['wall_s']:.1f} s" + (f"; written to {out}" if out else "")
+    )
 
 
 @app.command("eval")

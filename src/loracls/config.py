@@ -85,6 +85,20 @@ class TrainConfig:
     """Validation metric that picks the best checkpoint: `macro_f1` or `accuracy`."""
     precision: str = "auto"
     """`auto` (bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU), `fp32`, `bf16` or `fp16`."""
+    baseline: bool = True
+    """Score the prompt baseline (the base model's LM head, no training) on the test split before training."""
+    baseline_shots: int = 0
+    """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
+    verbalizers: str | None = None
+    """Words the baseline compares, `label=word,...`; default: label names (正面/负面/中性 for Chinese)."""
+    prompt_template: str | None = None
+    """The baseline's query block with `{text}`, ending where the answer starts; default per language."""
+    prompt_instruction: str | None = None
+    """The baseline prompt's first line, may use `{options}` (verbalisers in label_order)."""
+    label_order: str | None = None
+    """Order of the labels listed in the baseline prompt, comma-separated; default: label-id order."""
+    calibrate: bool = False
+    """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
     seed: int = 42
     """Seed for the splits, the data order, LoRA initialisation and dropout."""
     out: str | None = None
@@ -114,6 +128,7 @@ class TrainConfig:
             "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
             "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,
+            "baseline_shots": self.baseline_shots >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -26,6 +26,7 @@ from loracls.evaluate import predict_probs, score, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder, environment, write_jsonl
+from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
 
 console = Console(stderr=True)
 
@@ -270,6 +271,12 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
 
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
+    baseline = None
+    if cfg.baseline:
+        baseline = baseline_for_run(
+            model_path, tokenizer, splits, cfg, run.path, accelerator.device, accelerator.autocast()
+        )
+        console.print(baseline_line(baseline))
     model = load_classifier(model_path, splits.labels, cfg.trust_remote_code, cfg.head_init)
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
@@ -300,6 +307,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
     write_predictions_jsonl(run.file("test_predictions.jsonl"), splits.test, probs, splits.labels)
     metrics = {
         "test": score(splits.test, probs, splits.labels),
+        "baseline": baseline_summary(baseline),
         "best_val": {"step": result.best_step, **result.best_val},
         "train": result.throughput,
         "data": {
