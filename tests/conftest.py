@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -28,7 +28,7 @@ from transformers import (
 from typer.testing import CliRunner
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
-CHARACTERS = string.printable.strip() + " " + "很好差的书"
+CHARACTERS = string.printable.strip() + " \n" + "很好差的书"
 WIDTH = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -43,7 +43,8 @@ def char_tokenizer(with_pad_and_unk: bool = True) -> PreTrainedTokenizerFast:
     """One token per character; optionally without pad/unk tokens, like several real base models."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(set(CHARACTERS)))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # decode("g", "o") -> "go", as real tokenizers round-trip text
     specials = {"eos_token": "<eos>", "bos_token": "<bos>"}
     if with_pad_and_unk:
         specials.update(pad_token="<pad>", unk_token="<unk>")

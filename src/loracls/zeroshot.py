@@ -311,9 +311,11 @@ class Prompter:
     max_length: int
 
     def prompt(self, text: str, order: list[str]) -> str:
-        kept = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_length]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.max_length:  # cut the text, never the prompt around it
+            text = self.tokenizer.decode(ids[: self.max_length])
         examples = [(t, self.words[label]) for t, label in self.shots]
-        return self.template.render(self.tokenizer.decode(kept), [self.words[x] for x in order], examples)
+        return self.template.render(text, [self.words[x] for x in order], examples)
 
     def encode(self, texts: list[str], order: list[str]) -> list[list[int]]:
         return [self.tokenizer(self.prompt(text, order))["input_ids"] for text in texts]

@@ -1,0 +1,212 @@
+"""The prompt baseline's scoring path on tiny local models, checked against brute-force computations."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from loracls import zeroshot
+from loracls.errors import LoraclsError
+from loracls.model import load_tokenizer
+from loracls.zeroshot import (
+    TEMPLATES,
+    PromptOptions,
+    Template,
+    calibrate,
+    detect_language,
+    draw_shots,
+    label_log_probs,
+    load_causal_lm,
+    parse_verbalizers,
+    resolve_prompt,
+    run_baseline,
+    verbalizer_tokens,
+)
+from tests.conftest import invoke, toy_reviews
+
+LABELS = ["negative", "positive"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    path = str(tiny_models["llama"])
+    return load_causal_lm(path), load_tokenizer(path)
+
+
+def brute_force(model, prompt: list[int], ids: list[int]) -> float:
+    """log P(ids | prompt) from one unpadded forward pass over the whole sequence, every position's logits."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return sum(float(log_probs[len(prompt) - 1 + j, token]) for j, token in enumerate(ids))
+
+
+def test_label_log_probs_equal_a_brute_force_sum_over_tokens(llama):
+    model, tokenizer = llama
+    prompts = [[5, 9, 11, 30], [7, 8], [12, 13, 14, 15, 16, 17, 18], [40]]
+    # single-token, multi-token, and a multi-token label that shares a first token with another
+    tokens = [[20], [21, 22, 23], [21, 24]]
+    got = label_log_probs(model, tokenizer, prompts, tokens, batch_size=3)
+    expected = np.array([[brute_force(model, p, ids) for ids in tokens] for p in prompts])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    assert (got < 0).all() and got[:, 1].min() < got[:, 0].max()
+
+
+def test_one_forward_pass_per_prompt_and_only_the_needed_logits(llama):
+    model, tokenizer = llama
+    seen = []
+    hook = model.register_forward_hook(lambda m, args, out: seen.append(tuple(out.logits.shape)))
+    try:
+        label_log_probs(model, tokenizer, [[5, 6, 7], [8, 9]], [[20], [21]], batch_size=1)
+        assert seen == [(1, 1, model.config.vocab_size)] * 2  # single-token labels: one position, one pass
+        seen.clear()
+        label_log_probs(model, tokenizer, [[5, 6, 7], [8, 9]], [[20], [21, 22, 23]], batch_size=1)
+        # the one-token label rides on the three-token label's sequence: still one pass per prompt
+        assert seen == [(1, 3, model.config.vocab_size)] * 2
+    finally:
+        hook.remove()
+
+
+def test_verbaliser_tokens_are_read_in_context(llama):
+    _, tokenizer = llama
+    tokens = verbalizer_tokens(tokenizer, TEMPLATES["en"], {"negative": "bad", "positive": "good"})
+    # the character tokenizer: the separator space, then one token per letter
+    assert tokenizer.decode(tokens["positive"]) == " good" and len(tokens["negative"]) == 4
+    with pytest.raises(LoraclsError, match="same verbaliser tokens"):
+        verbalizer_tokens(tokenizer, TEMPLATES["en"], {"negative": "ok", "positive": "ok"})
+    with pytest.raises(LoraclsError, match="empty after tokenisation"):
+        verbalizer_tokens(tokenizer, Template("", "{text}", ""), {"negative": "", "positive": "x"})
+
+
+def test_calibration_divides_out_the_content_free_distribution():
+    probs = np.array([[0.8, 0.2], [0.6, 0.4], [0.9, 0.1]])
+    calibrated = calibrate(probs, np.array([0.7, 0.3]))
+    # (0.6/0.7, 0.4/0.3) = (0.857, 1.333) -> (0.391, 0.609): the biased "negative" flips
+    np.testing.assert_allclose(calibrated[1], [0.857143 / 2.190476, 1.333333 / 2.190476], rtol=1e-5)
+    np.testing.assert_allclose(calibrated.sum(axis=1), 1.0)
+    assert calibrated.argmax(axis=1).tolist() == [0, 1, 0]
+    np.testing.assert_allclose(calibrate(probs, np.array([0.5, 0.5])), probs)
+
+
+def test_prompt_lists_options_in_the_given_order_and_shots_before_the_query():
+    template, words, order = resolve_prompt(
+        LABELS, ["a text"], PromptOptions(label_order=["positive", "negative"])
+    )
+    prompt = template.render("the query", [words[x] for x in order], [("shot one", "negative")])
+    assert prompt == (
+        "Classify the text. Answer with one of: positive, negative.\n\n"
+        "Text: shot one\nAnswer: negative\n\nText: the query\nAnswer:"
+    )
+    with pytest.raises(LoraclsError, match="must list each of the labels"):
+        resolve_prompt(LABELS, ["x"], PromptOptions(label_order=["positive"]))
+    with pytest.raises(LoraclsError, match=r"no \{text\} placeholder"):
+        resolve_prompt(LABELS, ["x"], PromptOptions(template="Review:"))
+
+
+def test_language_picks_the_template_and_chinese_verbalisers():
+    assert detect_language(["质量很好，推荐购买", "太差了"]) == "zh"
+    assert detect_language(["great value", "质量"]) == "en"
+    template, words, _ = resolve_prompt(LABELS, ["质量很好，推荐购买"], PromptOptions())
+    assert template == TEMPLATES["zh"] and words == {"negative": "负面", "positive": "正面"}
+    assert parse_verbalizers("positive=good,negative=bad", LABELS) == {"negative": "bad", "positive": "good"}
+    with pytest.raises(LoraclsError, match=r"missing: \['negative'\]"):
+        parse_verbalizers("positive=good", LABELS)
+
+
+def test_shots_are_balanced_seeded_and_refused_when_too_few():
+    train = toy_reviews(40).assign(id=lambda t: t.index.astype(str))
+    shots = draw_shots(train, LABELS, 4, seed=1)
+    assert sorted(shots["label"]) == ["negative", "negative", "positive", "positive"]
+    assert shots.index.is_unique
+    assert draw_shots(train, LABELS, 4, seed=1).index.tolist() == shots.index.tolist()
+    assert draw_shots(train, LABELS, 4, seed=2).index.tolist() != shots.index.tolist()
+    with pytest.raises(LoraclsError, match="Not enough training examples of label 'negative'"):
+        draw_shots(train.head(3), LABELS, 4, seed=1)
+
+
+def test_reversed_order_and_distribution_catch_a_position_bias(llama, monkeypatch):
+    """A model that always answers with the option listed second: the reversed order exposes it."""
+    model, tokenizer = llama
+    table = toy_reviews(10).assign(id=lambda t: t.index.astype(str))
+    words = {"negative": "bad", "positive": "good"}
+
+    def second_listed(model, tokenizer, prompts, tokens, batch_size=16):
+        first_line = tokenizer.decode(prompts[0]).split("\n")[0]  # "Answer one of: bad, good."
+        second = first_line.rstrip(".").split(": ")[1].split(", ")[1]
+        scores = np.full((len(prompts), 2), -5.0)
+        scores[:, LABELS.index({"bad": "negative", "good": "positive"}[second])] = -0.1
+        return scores
+
+    monkeypatch.setattr(zeroshot, "label_log_probs", second_listed)
+    options = PromptOptions(verbalizers=words, instruction="Answer one of: {options}.")
+    metrics = run_baseline(model, tokenizer, table, LABELS, None, options)
+    assert metrics["pred_distribution"] == {"negative": 0, "positive": 10}
+    assert metrics["swapped_order"]["pred_distribution"] == {"negative": 10, "positive": 0}
+    assert metrics["swapped_order"]["label_order"] == ["positive", "negative"]
+    assert metrics["accuracy"] == metrics["swapped_order"]["accuracy"] == 0.5
+
+
+def test_run_baseline_writes_metrics_and_every_prediction(llama, tmp_path):
+    model, tokenizer = llama
+    table = toy_reviews(12, seed=3).assign(id=lambda t: [f"r{i}" for i in t.index])
+    train = toy_reviews(20, seed=4).assign(id=lambda t: t.index.astype(str))
+    options = PromptOptions(shots=2, calibrate=True, verbalizers={"negative": "bad", "positive": "good"})
+    metrics = run_baseline(model, tokenizer, table, LABELS, train, options, tmp_path)
+    stored = json.loads((tmp_path / "baseline_metrics.json").read_text())
+    assert stored["headline"] == "calibrated" and stored["accuracy"] == stored["calibrated"]["accuracy"]
+    assert sum(stored["pred_distribution"].values()) == 12 and metrics["prompt"]["shots"] == 2
+    assert stored["prompt"]["example"].count("Answer:") == 3  # two shots and the query
+    lines = [json.loads(x) for x in (tmp_path / "baseline_predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in lines] == [f"r{i}" for i in range(12)]
+    first = lines[0]
+    assert first["predicted"] == max(first["calibrated"], key=first["calibrated"].get)
+    assert abs(sum(first["probabilities"].values()) - 1) < 1e-4
+
+
+def test_multimodal_gemma4_baseline_loads_the_language_model_only(tiny_models):
+    from transformers import Gemma4ForConditionalGeneration
+
+    path = tiny_models["gemma4mm"]
+    text_only = load_causal_lm(str(path))
+    assert type(text_only).__name__ == "Gemma4ForCausalLM"
+    full = Gemma4ForConditionalGeneration.from_pretrained(path).eval()
+    ids = torch.tensor([[2, 10, 11, 12, 13]])
+    with torch.no_grad():
+        torch.testing.assert_close(text_only(input_ids=ids).logits, full(input_ids=ids).logits)
+
+
+def test_baseline_command_scores_a_file_in_full(tiny_models, tmp_path):
+    data, train = tmp_path / "test.csv", tmp_path / "train.csv"
+    toy_reviews(14, seed=5).to_csv(data, index=False)
+    toy_reviews(30, seed=6).to_csv(train, index=False)
+    out = tmp_path / "baseline"
+    args = ["baseline", "--model", tiny_models["qwen3"], "--data", data, "--train", train, "--shots", "2"]
+    result = invoke(*args, "--verbalizers", "negative=bad,positive=good", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "2-shot" in result.output and "14 examples" in result.output
+    assert len((out / "baseline_predictions.jsonl").read_text().splitlines()) == 14
+    result = invoke("baseline", "--model", tiny_models["qwen3"], "--data", data, "--shots", "2")
+    assert result.exit_code == 2 and "--train FILE" in result.output
+
+
+def test_training_reports_the_baseline_beside_the_test_metrics(trained):
+    run, output = trained["gemma3"]
+    metrics = json.loads((run / "metrics.json").read_text())
+    baseline = metrics["baseline"]
+    assert set(baseline["pred_distribution"]) == set(LABELS)
+    assert sum(baseline["pred_distribution"].values()) == metrics["data"]["test"]
+    assert (run / "baseline_metrics.json").is_file() and (run / "baseline_predictions.jsonl").is_file()
+    assert "prompt baseline (uncalibrated, 0-shot)" in output and "fine-tuned:" in output
+
+
+def test_no_baseline_skips_it(tiny_models, toy_csv, tmp_path):
+    from tests.conftest import FAST
+
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--no-baseline", *FAST
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "metrics.json").read_text())["baseline"] is None
+    assert not (out / "baseline_metrics.json").exists() and "prompt baseline" not in result.output
