@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Annotated
 
@@ -248,6 +248,70 @@ def predict(
             "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
         )
     console.print(f"{len(records)} predictions written to {output}")
+
+
+@app.command()
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the facts and verdicts as JSON")] = False,
+    smoke: Annotated[bool, typer.Option(help="Run real kernels on the device in a child process")] = True,
+    model: Annotated[str | None, typer.Option(help="Estimate training memory for this model")] = None,
+    batch_size: Annotated[
+        int, typer.Option(help="Micro-batch for the memory estimate")
+    ] = TrainConfig.batch_size,
+    max_length: Annotated[int, typer.Option(help="Tokens per text for the memory estimate")] = 256,
+) -> None:
+    """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
+    from loracls.doctor import (
+        backend_of,
+        collect_facts,
+        diagnose,
+        free_memory_gb,
+        memory_estimate,
+        smoke_test,
+    )
+
+    facts = collect_facts()
+    report = diagnose(facts)
+    device = "cuda" if backend_of(facts) in ("cuda", "rocm") else "cpu"
+    result = smoke_test(device, facts) if smoke and facts.torch else None
+    memory = {"free_gb": free_memory_gb()} if facts.torch else {}
+    try:
+        if model:
+            precision = "bf16" if device == "cuda" else "fp32"
+            memory["estimate"] = memory_estimate(model, batch_size, max_length, precision)
+    except LoraclsError as e:
+        fail(e)
+    can_train = report.can_train and (result is None or result.ok)
+    if as_json:
+        payload = {
+            "facts": asdict(facts),
+            **report.to_json(),
+            "smoke_test": asdict(result) if result else None,
+            "memory": memory,
+            "can_train": can_train,
+        }
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+    else:
+        colours = {"ok": "green", "warn": "yellow", "error": "bold red"}
+        console.print(f"[bold]backend: {report.backend}[/]")
+        for f in report.findings:
+            console.print(f"[{colours[f.level]}]{f.level:5}[/] {f.topic}: {f.message}", soft_wrap=True)
+            if f.advice:
+                console.print(f"      -> {f.advice}", soft_wrap=True, highlight=False)
+        if result is not None:
+            rates = ", ".join(
+                f"{k.removesuffix('_tflops')} {v} TFLOP/s"
+                for k, v in result.details.items()
+                if k.endswith("_tflops")
+            )
+            verdict = f"[green]ok   [/] smoke test on {device}: matmul, attention + backward correct; {rates}"
+            console.print(
+                verdict if result.ok else f"[bold red]error[/] smoke test: {result.diagnosis}", soft_wrap=True
+            )
+        for key, value in memory.items():
+            console.print(f"memory {key}: {value}")
+        console.print("[bold green]can train[/]" if can_train else "[bold red]cannot train as it is[/]")
+    raise typer.Exit(0 if can_train else 1)
 
 
 @app.command()

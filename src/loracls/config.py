@@ -99,6 +99,8 @@ class TrainConfig:
     """Order of the labels listed in the baseline prompt, comma-separated; default: label-id order."""
     calibrate: bool = False
     """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
+    smoke_test: bool = True
+    """On a GPU, run `loracls doctor`'s child-process smoke test before loading the model."""
     seed: int = 42
     """Seed for the splits, the data order, LoRA initialisation and dropout."""
     out: str | None = None

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmu
 
 from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
+from loracls.doctor import check_before_training
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
@@ -269,6 +270,8 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
     write_jsonl(run.file("data/val.jsonl"), splits.val)
     write_jsonl(run.file("data/test.jsonl"), splits.test)
 
+    if cfg.smoke_test and accelerator.device.type == "cuda":
+        check_before_training(str(accelerator.device))
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     baseline = None

@@ -1,0 +1,203 @@
+"""`loracls doctor`: verdicts on recorded machines, tool-output parsing, and the child-process smoke test."""
+
+import dataclasses
+import json
+
+import pytest
+
+from loracls import doctor
+from loracls.doctor import (
+    diagnose,
+    gfx_from_hsa,
+    hsa_version,
+    parse_amd_smi_version,
+    parse_driver_version,
+    parse_rocminfo,
+    smoke_test,
+)
+from tests.conftest import invoke
+from tests.doctor_machines import AMD_SMI_VERSION, MACHINES, ROCM_SMI_DRIVER, ROCMINFO
+
+
+def with_env(name: str, **env) -> doctor.Facts:
+    return dataclasses.replace(MACHINES[name], env=env)
+
+
+def levels(report) -> dict[str, str]:
+    return {f.topic: f.level for f in report.findings}
+
+
+@pytest.mark.parametrize(
+    ("gfx", "value"),
+    [
+        ("gfx90a", "9.0.10"),
+        ("gfx90a:sramecc+:xnack-", "9.0.10"),
+        ("gfx942", "9.4.2"),
+        ("gfx908", "9.0.8"),
+        ("gfx1030", "10.3.0"),
+        ("gfx1031", "10.3.1"),
+        ("gfx1100", "11.0.0"),
+        ("gfx1103", "11.0.3"),
+    ],
+)
+def test_hsa_override_values_are_decimal_major_minor_stepping(gfx, value):
+    assert hsa_version(gfx) == value
+    assert gfx_from_hsa(value) == gfx.split(":")[0]
+
+
+def test_tool_outputs_are_parsed():
+    assert parse_rocminfo(ROCMINFO["mi210"]) == (["gfx90a"], "6.8.5")  # the CPU agent is not a GPU
+    assert parse_rocminfo(ROCMINFO["mixed"]) == (["gfx1100", "gfx1031"], "6.8.5")
+    assert parse_rocminfo("") == ([], None)
+    assert parse_amd_smi_version(AMD_SMI_VERSION) == "6.2.4"
+    assert parse_driver_version(ROCM_SMI_DRIVER) == "6.8.5"
+
+
+def test_mi210_needs_no_override_and_a_wrong_one_is_flagged():
+    report = diagnose(MACHINES["mi210"])
+    assert report.backend == "rocm" and report.can_train
+    arch = next(f for f in report.findings if f.topic == "arch")
+    assert "gfx90a" in arch.message and "no override needed" in arch.message
+    assert not any("HSA_OVERRIDE_GFX_VERSION=" in f.advice for f in report.findings)
+    rocm = next(f for f in report.findings if f.topic == "rocm")
+    assert rocm.level == "ok" and "HIP underneath" in rocm.message and "6.2.4" in rocm.message
+    # the seed write-up's advice: forcing an MI210 to gfx908 (MI100) kernels
+    forced = diagnose(with_env("mi210", HSA_OVERRIDE_GFX_VERSION="9.0.8"))
+    override = next(f for f in forced.findings if f.topic == "override")
+    assert override.level == "warn" and "unset HSA_OVERRIDE_GFX_VERSION" in override.advice
+    assert "gfx908 kernels on a gfx90a" in override.advice
+
+
+def test_mi300x_with_misaligned_rocm_releases_is_warned():
+    report = diagnose(MACHINES["mi300x"])
+    rocm = next(f for f in report.findings if f.topic == "rocm")
+    assert rocm.level == "warn" and "ROCm 6.2" in rocm.message and "6.3.1" in rocm.message
+    assert "whl/rocm6.3" in rocm.advice
+    assert levels(report)["arch"] == "ok" and report.can_train
+
+
+def test_rx7900xtx_is_supported_as_built():
+    report = diagnose(MACHINES["rx7900xtx"])
+    assert report.can_train and levels(report) == {
+        "rocm": "ok",
+        "arch": "ok",
+        "packages": "ok",
+        "qlora": "warn",
+    }
+
+
+@pytest.mark.parametrize(
+    ("machine", "value", "sibling"), [("rx6700xt", "10.3.0", "gfx1030"), ("radeon780m", "11.0.0", "gfx1100")]
+)
+def test_missing_rdna_architectures_get_the_family_override(machine, value, sibling):
+    report = diagnose(MACHINES[machine])
+    assert not report.can_train
+    arch = next(f for f in report.findings if f.topic == "arch")
+    assert arch.level == "error" and "not in this torch build" in arch.message
+    assert arch.advice.startswith(f"export HSA_OVERRIDE_GFX_VERSION={value}") and sibling in arch.advice
+    fixed = diagnose(with_env(machine, HSA_OVERRIDE_GFX_VERSION=value))
+    assert fixed.can_train and f"runs as {sibling}" in fixed.findings[1].message
+
+
+def test_override_across_a_major_version_or_malformed_is_an_error():
+    crossing = diagnose(with_env("radeon780m", HSA_OVERRIDE_GFX_VERSION="10.3.0"))
+    finding = next(f for f in crossing.findings if f.topic == "override")
+    assert (
+        finding.level == "error"
+        and "crosses a major version" in finding.message
+        and "11.0.0" in finding.advice
+    )
+    malformed = diagnose(with_env("rx6700xt", HSA_OVERRIDE_GFX_VERSION="9.0.a"))
+    assert "malformed" in malformed.findings[1].message and "9.0.10" in malformed.findings[1].advice
+
+
+def test_mixed_gpus_get_the_per_device_override():
+    report = diagnose(MACHINES["mixed"])
+    first, second = [f for f in report.findings if f.topic == "arch"]
+    assert first.level == "ok" and second.level == "error"
+    assert "HSA_OVERRIDE_GFX_VERSION_1=10.3.0 (ROCm 6.2+)" in second.advice
+    assert diagnose(with_env("mixed", HSA_OVERRIDE_GFX_VERSION_1="10.3.0")).can_train
+
+
+def test_architecture_without_a_sibling_gets_no_override():
+    report = diagnose(MACHINES["mi50_on_rocm64"])
+    arch = next(f for f in report.findings if f.topic == "arch")
+    assert arch.level == "error" and "no ISA-compatible sibling" in arch.message
+    assert "HSA_OVERRIDE_GFX_VERSION=" not in arch.advice
+
+
+def test_nvidia_machines():
+    h100 = diagnose(MACHINES["h100"])
+    assert h100.backend == "cuda" and h100.can_train and "550.90.07" in h100.findings[0].message
+    assert levels(h100)["qlora"] == "ok"
+    blackwell = diagnose(MACHINES["rtx5090_old_wheel"])
+    arch = next(f for f in blackwell.findings if f.topic == "arch")
+    assert not blackwell.can_train and "no kernels for sm_120" in arch.message
+
+
+def test_cpu_machines():
+    cpu = diagnose(MACHINES["cpu"])
+    assert cpu.backend == "cpu" and cpu.can_train and "qlora" not in levels(cpu)
+    hidden = diagnose(MACHINES["cpu_wheel_on_mi210"])
+    assert not hidden.can_train
+    assert "rocminfo sees gfx90a but torch sees no GPU" in hidden.findings[0].message
+    assert "download.pytorch.org/whl/rocm6.2" in hidden.findings[0].advice
+
+
+def test_smoke_test_runs_real_kernels_in_a_child_on_the_cpu():
+    result = smoke_test("cpu", MACHINES["cpu"])
+    assert result.ok, result.diagnosis
+    assert result.details["matmul_max_error"] < 1e-3 and result.details["attention_backward_finite"]
+    assert result.details["float32_tflops"] > 0 and "bfloat16_tflops" in result.details
+
+
+def test_a_child_killed_by_a_signal_becomes_a_diagnosis():
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    result = smoke_test("cuda", MACHINES["rx6700xt"], code=crash)
+    assert not result.ok and result.details == {"signal": "SIGSEGV"}
+    assert "crashed the process (SIGSEGV)" in result.diagnosis
+    assert "HSA_OVERRIDE_GFX_VERSION=10.3.0" in result.diagnosis
+
+
+def test_a_kernel_error_and_a_hang_become_diagnoses():
+    fault = (
+        "import sys; sys.stderr.write('Memory access fault by GPU node-2 on address 0x7f\\n'); sys.exit(134)"
+    )
+    result = smoke_test("cuda", MACHINES["mi210"], code=fault)
+    assert not result.ok and result.diagnosis.startswith(
+        "the GPU kernel crashed on cuda: Memory access fault"
+    )
+    assert "gfx90a is in this torch build" in result.diagnosis  # no override to blame: look at the driver
+    hang = smoke_test("cuda", MACHINES["mi210"], timeout=1, code="import time; time.sleep(30)")
+    assert not hang.ok and "hung for 1 s" in hang.diagnosis
+
+
+def test_doctor_command_on_this_machine(monkeypatch):
+    result = invoke("doctor", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["can_train"] and payload["smoke_test"]["ok"] and payload["facts"]["torch"]
+    assert payload["memory"]["free_gb"]["cpu"] > 0
+
+    monkeypatch.setattr(doctor, "collect_facts", lambda: MACHINES["rx6700xt"])
+    result = invoke("doctor", "--no-smoke")
+    assert result.exit_code == 1
+    assert "HSA_OVERRIDE_GFX_VERSION=10.3.0" in result.output and "cannot train" in result.output
+
+
+def test_memory_estimate_for_the_tiny_model(tiny_models):
+    small = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=8, max_length=64)
+    large = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=16, max_length=128)
+    assert 0 < small["total_gb"] < large["total_gb"]
+    assert large["activations_gb"] > 2 * small["activations_gb"]
+
+
+def test_training_on_a_gpu_stops_early_when_the_smoke_test_fails(monkeypatch):
+    from loracls.errors import LoraclsError
+
+    monkeypatch.setattr(doctor, "collect_facts", lambda: MACHINES["rx6700xt"])
+    monkeypatch.setattr(
+        doctor, "smoke_test", lambda device, facts: doctor.SmokeResult(False, {}, "it crashed")
+    )
+    with pytest.raises(LoraclsError, match="GPU smoke test failed: it crashed"):
+        doctor.check_before_training("cuda:0")
