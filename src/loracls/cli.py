@@ -308,6 +308,8 @@ def doctor(
             console.print(
                 verdict if result.ok else f"[bold red]error[/] smoke test: {result.diagnosis}", soft_wrap=True
             )
+            if "bnb_4bit" in result.details:
+                console.print(f"      4-bit linear (bitsandbytes, QLoRA): {result.details['bnb_4bit']}")
         for key, value in memory.items():
             console.print(f"memory {key}: {value}")
         console.print("[bold green]can train[/]" if can_train else "[bold red]cannot train as it is[/]")
