@@ -45,7 +45,9 @@ def test_train_writes_the_whole_run_folder(trained, family):
         "peft",
         "accelerate",
         "backend",
+        "doctor",
     } <= set(env)
+    assert env["doctor"]["backend"] == "cpu" and env["doctor"]["can_train"]
 
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["test"]["n"] == 12 and 0 <= metrics["test"]["accuracy"] <= 1

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmu
 
 from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
-from loracls.doctor import check_before_training
+from loracls.doctor import check_before_training, collect_facts, diagnose
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
@@ -263,8 +263,16 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
     accelerator = Accelerator(
         mixed_precision=mixed_precision(cfg.precision), gradient_accumulation_steps=cfg.grad_accum
     )
+    facts = collect_facts()
     run.write_json(
-        "env.json", {**environment(accelerator.device), "mixed_precision": accelerator.mixed_precision}
+        "env.json",
+        {
+            **environment(accelerator.device),
+            "mixed_precision": accelerator.mixed_precision,
+            "system_rocm": facts.system_rocm,
+            "driver": facts.driver,
+            "doctor": diagnose(facts).to_json(),
+        },
     )
     run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
     write_jsonl(run.file("data/val.jsonl"), splits.val)
