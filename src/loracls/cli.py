@@ -356,7 +356,8 @@ def export(
         folder = export_run(run_dir, out, adapter_only)
     except LoraclsError as e:
         fail(e)
-    kind = "adapter + head" if adapter_only else "merged classifier (checked: config, head, tokenizer)"
+    checks = "checked: config, head, tokenizer, reloaded logits"
+    kind = "adapter + head" if adapter_only else f"merged classifier ({checks})"
     console.print(f"{kind} written to {folder}", soft_wrap=True)
 
 
