@@ -35,8 +35,16 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--run", action="append", default=[], help="DATASET=RUN_DIR of a fine-tuned run")
     parser.add_argument("--out", default="benchmarks/results/prompt_baseline.json")
+    parser.add_argument(
+        "--reuse", help="Take the baseline rows from this earlier result; add only --run figures"
+    )
     args = parser.parse_args()
     runs = dict(item.split("=", 1) for item in args.run)
+    if args.reuse:
+        result = json.loads(Path(args.reuse).read_text())
+        result["finetuned"] = finetuned_runs(runs)
+        Path(args.out).write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+        return
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
     path = resolve_model("gemma3-270m")
@@ -79,16 +87,7 @@ def main() -> None:
                 json.dumps({k: v for k, v in row.items() if k != "prompt_example"}, ensure_ascii=False),
                 flush=True,
             )
-    finetuned = {}
-    for data, run in runs.items():
-        metrics = json.loads(Path(run, "metrics.json").read_text())
-        finetuned[data] = {
-            "run": run,
-            "accuracy": metrics["test"]["accuracy"],
-            "macro_f1": metrics["test"]["macro_f1"],
-            "n": metrics["data"]["test"],
-        }
-        print(data, "fine-tuned", finetuned[data], flush=True)
+    finetuned = finetuned_runs(runs)
     env = environment(torch.device("cpu"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
@@ -106,6 +105,23 @@ def main() -> None:
         )
         + "\n"
     )
+
+
+def finetuned_runs(runs: dict[str, str]) -> dict:
+    """Test figures of finished fine-tuned runs, for the same split as the baseline rows."""
+    finetuned = {}
+    for data, run in runs.items():
+        metrics = json.loads(Path(run, "metrics.json").read_text())
+        finetuned[data] = {
+            "run": run,
+            "accuracy": metrics["test"]["accuracy"],
+            "macro_f1": metrics["test"]["macro_f1"],
+            "pred_distribution": metrics["test"]["pred_distribution"],
+            "n": metrics["data"]["test"],
+            "train_examples": metrics["data"]["train"],
+        }
+        print(data, "fine-tuned", finetuned[data], flush=True)
+    return finetuned
 
 
 if __name__ == "__main__":
