@@ -210,3 +210,15 @@ def test_no_baseline_skips_it(tiny_models, toy_csv, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads((out / "metrics.json").read_text())["baseline"] is None
     assert not (out / "baseline_metrics.json").exists() and "prompt baseline" not in result.output
+
+    with_baseline = tmp_path / "with"
+    assert (
+        invoke(
+            "train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", with_baseline, *FAST
+        ).exit_code
+        == 0
+    )
+    # the fine-tune does not depend on whether the baseline ran first
+    assert (out / "test_predictions.jsonl").read_text() == (
+        with_baseline / "test_predictions.jsonl"
+    ).read_text()

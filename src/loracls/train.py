@@ -259,7 +259,6 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
 
 def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
     """Model, LoRA, `fit()` and the test report, written into an open run folder."""
-    set_seed(cfg.seed)  # before the head and the LoRA matrices are initialised
     accelerator = Accelerator(
         mixed_precision=mixed_precision(cfg.precision), gradient_accumulation_steps=cfg.grad_accum
     )
@@ -288,6 +287,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
             model_path, tokenizer, splits, cfg, run.path, accelerator.device, accelerator.autocast()
         )
         console.print(baseline_line(baseline))
+    set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     model = load_classifier(model_path, splits.labels, cfg.trust_remote_code, cfg.head_init)
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
