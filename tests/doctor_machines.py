@@ -108,6 +108,36 @@ def rocm_machine(
     )
 
 
+def cuda_machine(name: str, memory: float, arch: str, driver: str, bitsandbytes: str | None = None) -> Facts:
+    """Facts of a machine with one NVIDIA GPU and the official cu124 wheel."""
+    return Facts(
+        python="3.11.9",
+        torch="2.5.1+cu124",
+        torch_hip=None,
+        torch_cuda="12.4",
+        arch_list=CUDA124_ARCHS,
+        devices=[Device(name, memory, arch)],
+        env={},
+        packages={**PACKAGES, "bitsandbytes": bitsandbytes},
+        driver=driver,
+    )
+
+
+def cpu_machine(**extra) -> Facts:
+    """Facts of a machine where torch (a CPU wheel) sees no GPU; `extra` adds what the ROCm tools report."""
+    return Facts(
+        python="3.11.7",
+        torch="2.13.0+cpu",
+        torch_hip=None,
+        torch_cuda=None,
+        arch_list=[],
+        devices=[],
+        env={},
+        packages=PACKAGES,
+        **extra,
+    )
+
+
 MACHINES = {
     "mi210": rocm_machine(
         "6.2.41133-dd7f95766",
@@ -146,51 +176,10 @@ MACHINES = {
         [("gfx906:sramecc+:xnack-", "AMD Instinct MI50", 16.0)],
         ROCM64_ARCHS,
     ),
-    "h100": Facts(
-        python="3.11.9",
-        torch="2.5.1+cu124",
-        torch_hip=None,
-        torch_cuda="12.4",
-        arch_list=CUDA124_ARCHS,
-        devices=[Device("NVIDIA H100 80GB HBM3", 79.1, "sm_90")],
-        env={},
-        packages={**PACKAGES, "bitsandbytes": "0.45.0"},
-        driver="550.90.07",
-    ),
-    "rtx5090_old_wheel": Facts(
-        python="3.11.9",
-        torch="2.5.1+cu124",
-        torch_hip=None,
-        torch_cuda="12.4",
-        arch_list=CUDA124_ARCHS,
-        devices=[Device("NVIDIA GeForce RTX 5090", 31.4, "sm_120")],
-        env={},
-        packages=PACKAGES,
-        driver="570.86.10",
-    ),
-    "cpu": Facts(
-        python="3.11.7",
-        torch="2.13.0+cpu",
-        torch_hip=None,
-        torch_cuda=None,
-        arch_list=[],
-        devices=[],
-        env={},
-        packages=PACKAGES,
-    ),
-    "cpu_wheel_on_mi210": Facts(
-        python="3.11.7",
-        torch="2.13.0+cpu",
-        torch_hip=None,
-        torch_cuda=None,
-        arch_list=[],
-        devices=[],
-        env={},
-        packages=PACKAGES,
-        system_rocm="6.2.4-120",
-        driver="6.8.5",
-        rocminfo_gpus=["gfx90a"],
-    ),
+    "h100": cuda_machine("NVIDIA H100 80GB HBM3", 79.1, "sm_90", "550.90.07", bitsandbytes="0.45.0"),
+    "rtx5090_old_wheel": cuda_machine("NVIDIA GeForce RTX 5090", 31.4, "sm_120", "570.86.10"),
+    "cpu": cpu_machine(),
+    "cpu_wheel_on_mi210": cpu_machine(system_rocm="6.2.4-120", driver="6.8.5", rocminfo_gpus=["gfx90a"]),
 }
 
 ROCMINFO = {

@@ -61,12 +61,12 @@ class Classifier:
     def from_run(cls, run_dir: str | Path, device: torch.device | None = None) -> Classifier:
         run = RunFolder(run_dir)
         run.check_finished()
-        cfg = run.read_config()
-        model, tokenizer = merge_adapter(cfg.model, run.best, run.read_labels(), cfg.trust_remote_code)
+        cfg, labels = run.read_config(), run.read_labels()
+        model, tokenizer = merge_adapter(cfg.model, run.best, labels, cfg.trust_remote_code)
         return cls(
             model.to(device or default_device()).eval(),
             tokenizer,
-            run.read_labels(),
+            labels,
             cfg.max_length,
             cfg.batch_size * 2,
             cfg.text_column,
