@@ -585,11 +585,11 @@ def free_memory_gb() -> dict[str, float]:
     return {"cpu": round(psutil.virtual_memory().available / 2**30, 1)}
 
 
-def check_before_training(device: str) -> None:
+def check_before_training(device: str, facts: Facts) -> None:
     """The doctor's smoke test before a GPU run loads any model: a misaligned stack fails in seconds."""
     from loracls.errors import LoraclsError
 
-    result = smoke_test(device, collect_facts())
+    result = smoke_test(device, facts)
     if not result.ok:
         raise LoraclsError(
             f"GPU smoke test failed: {result.diagnosis} (skip with --no-smoke-test only if you know better)"

@@ -278,7 +278,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
     write_jsonl(run.file("data/test.jsonl"), splits.test)
 
     if cfg.smoke_test and accelerator.device.type == "cuda":
-        check_before_training(str(accelerator.device))
+        check_before_training(str(accelerator.device), facts)
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     baseline = None
