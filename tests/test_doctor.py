@@ -195,9 +195,8 @@ def test_memory_estimate_for_the_tiny_model(tiny_models):
 def test_training_on_a_gpu_stops_early_when_the_smoke_test_fails(monkeypatch):
     from loracls.errors import LoraclsError
 
-    monkeypatch.setattr(doctor, "collect_facts", lambda: MACHINES["rx6700xt"])
     monkeypatch.setattr(
         doctor, "smoke_test", lambda device, facts: doctor.SmokeResult(False, {}, "it crashed")
     )
     with pytest.raises(LoraclsError, match="GPU smoke test failed: it crashed"):
-        doctor.check_before_training("cuda:0")
+        doctor.check_before_training("cuda:0", MACHINES["rx6700xt"])
