@@ -250,6 +250,63 @@ def predict(
     console.print(f"{len(records)} predictions written to {output}")
 
 
+data_app = typer.Typer(help="Look at a dataset before training.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("inspect")
+def data_inspect(
+    data: Annotated[str, typer.Argument(help="A labelled file or a built-in dataset")],
+    val: Annotated[str | None, typer.Option(help="Validation file")] = None,
+    test: Annotated[str | None, typer.Option(help="Test file")] = None,
+    text_column: Annotated[str, typer.Option(help="Text column")] = TrainConfig.text_column,
+    label_column: Annotated[str, typer.Option(help="Label column")] = TrainConfig.label_column,
+    model: Annotated[str | None, typer.Option(help="Count tokens with this model's tokenizer")] = None,
+    max_length: Annotated[int, typer.Option(help="Token limit to check against")] = TrainConfig.max_length,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
+) -> None:
+    """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
+    from loracls.data import inspect_data
+
+    try:
+        cfg = TrainConfig(
+            data=data,
+            val=val,
+            test=test,
+            text_column=text_column,
+            label_column=label_column,
+            max_length=max_length,
+        )
+        tokenizer = None
+        if model:
+            from loracls.model import load_tokenizer, resolve_model
+
+            tokenizer = load_tokenizer(resolve_model(model))
+        report = inspect_data(cfg, tokenizer)
+    except LoraclsError as e:
+        fail(e)
+    if as_json:
+        sys.stdout.write(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        return
+    table = Table(
+        "split", "rows", "labels", "repeated", "chars p50/p95/max", "tokens p50/max", "> max_length"
+    )
+    for role, split in report["splits"].items():
+        tokens = split.get("tokens")
+        table.add_row(
+            role,
+            str(split["rows"]),
+            ", ".join(f"{k} {v}" for k, v in split["labels"].items()),
+            str(split["duplicate_texts"]),
+            "/".join(str(v) for v in split["chars"].values()),
+            f"{tokens['p50']}/{tokens['max']}" if tokens else "-",
+            f"{split['truncated_share']:.1%}" if tokens else "-",
+        )
+    console.print(table)
+    for finding in report["findings"]:
+        console.print(f"- {finding}", soft_wrap=True)
+
+
 @app.command()
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and verdicts as JSON")] = False,

@@ -292,3 +292,61 @@ def make_loader(
     lengths = [len(x) for x in dataset["input_ids"]]
     sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer))
+
+
+def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:
+    """What `loracls data inspect` reports: sizes, labels, duplicates, cross-split leakage and lengths.
+
+    Fatal problems (missing file or column, empty texts, missing labels) raise `LoraclsError` as for `train`;
+    everything else is reported, so a user sees the whole picture before a model loads.
+    """
+    notes: list[str] = []
+    files = {"data": cfg.data, "val": cfg.val, "test": cfg.test}
+    tables = {
+        role: read_labelled(source, cfg.text_column, cfg.label_column, notes)
+        for role, source in files.items()
+        if source
+    }
+    findings: list[str] = list(notes)
+    report: dict = {"files": {role: files[role] for role in tables}, "splits": {}}
+    for role, table in tables.items():
+        counts = table["label"].value_counts()
+        repeated = int(table["text"].duplicated().sum())
+        conflicting = int((table.groupby("text")["label"].nunique() > 1).sum())
+        chars = table["text"].str.len()
+        split = {
+            "rows": len(table),
+            "labels": {label: int(counts[label]) for label in sort_labels(counts.index)},
+            "duplicate_texts": repeated,
+            "texts_with_conflicting_labels": conflicting,
+            "chars": {q: int(chars.quantile(p)) for q, p in (("p50", 0.5), ("p95", 0.95), ("max", 1.0))},
+        }
+        if tokenizer is not None:
+            lengths = [len(ids) for ids in tokenizer(list(table["text"]), truncation=False)["input_ids"]]
+            over = sum(n > cfg.max_length for n in lengths)
+            split["tokens"] = {"p50": int(pd.Series(lengths).median()), "max": max(lengths)}
+            split["truncated_share"] = over / len(lengths)
+            if over:
+                findings.append(
+                    f"{role}: {over / len(lengths):.1%} of texts exceed max_length={cfg.max_length} tokens"
+                )
+        if repeated:
+            findings.append(f"{role}: {repeated} repeated texts ({conflicting} texts under different labels)")
+        rare = [label for label, n in split["labels"].items() if n < 2]
+        if rare:
+            findings.append(f"{role}: label(s) {rare} have under 2 examples: no stratified split possible")
+        if len(counts) < 2:
+            findings.append(f"{role}: only one label ({counts.index[0]!r}); a classifier needs at least 2")
+        report["splits"][role] = split
+    train_texts = set(tables["data"]["text"])
+    for role in ("val", "test"):
+        if role in tables:
+            shared = train_texts & set(tables[role]["text"])
+            report["splits"][role]["also_in_train"] = len(shared)
+            if shared:
+                findings.append(f"{role}: {len(shared)} texts also occur in the training data (leakage)")
+            unseen = sorted(set(tables[role]["label"]) - set(tables["data"]["label"]))
+            if unseen:
+                findings.append(f"{role}: label(s) {unseen} never occur in the training data")
+    report["findings"] = findings
+    return report
