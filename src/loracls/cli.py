@@ -319,7 +319,6 @@ def doctor(
 ) -> None:
     """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
     from loracls.doctor import (
-        backend_of,
         collect_facts,
         diagnose,
         free_memory_gb,
@@ -329,7 +328,7 @@ def doctor(
 
     facts = collect_facts()
     report = diagnose(facts)
-    device = "cuda" if backend_of(facts) in ("cuda", "rocm") else "cpu"
+    device = "cuda" if report.backend in ("cuda", "rocm") else "cpu"
     result = smoke_test(device, facts) if smoke and facts.torch else None
     memory = {"free_gb": free_memory_gb()} if facts.torch else {}
     try:

@@ -59,17 +59,28 @@ def compute_metrics(gold: list[int], pred: list[int], labels: list[str]) -> dict
     }
 
 
-def write_predictions_jsonl(path: Path, table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> None:
-    """One JSON object per example: id, text, gold (when known), predicted label and every probability."""
+def write_predictions_jsonl(
+    path: Path,
+    table: pd.DataFrame,
+    probs: np.ndarray,
+    labels: list[str],
+    extra: dict[str, np.ndarray] | None = None,
+) -> None:
+    """One JSON object per example: id, text, gold (when known), predicted label and every probability.
+
+    `extra` adds further per-label score arrays under their own names (the baseline's log-probabilities).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
-        for row, p in zip(table.itertuples(index=False), probs, strict=True):
+        for i, (row, p) in enumerate(zip(table.itertuples(index=False), probs, strict=True)):
             record = {"id": str(row.id), "text": row.text}
             if "label" in table.columns:
                 record["gold"] = row.label
             record["predicted"] = labels[int(p.argmax())]
             record["probabilities"] = {name: round(float(x), 6) for name, x in zip(labels, p, strict=True)}
+            for key, values in (extra or {}).items():
+                record[key] = {name: round(float(x), 6) for name, x in zip(labels, values[i], strict=True)}
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     tmp.replace(path)
 

@@ -6,7 +6,6 @@ tokens) is read from the logits, computed only at the positions that predict tho
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,8 +27,9 @@ from loracls.data import (
     stratified_sample,
 )
 from loracls.errors import LoraclsError
-from loracls.evaluate import compute_metrics
+from loracls.evaluate import score, write_predictions_jsonl
 from loracls.model import LANGUAGE_MODEL_KEYS
+from loracls.runs import write_json
 
 console = Console(stderr=True)
 
@@ -327,8 +327,8 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=1, keepdims=True)
 
 
-def summary(gold: list[int], probs: np.ndarray, labels: list[str]) -> dict:
-    metrics = compute_metrics(gold, list(probs.argmax(axis=1)), labels)
+def summary(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> dict:
+    metrics = score(table, probs, labels)
     return {key: metrics[key] for key in ("accuracy", "macro_f1", "weighted_f1", "pred_distribution", "n")}
 
 
@@ -363,7 +363,6 @@ def run_baseline(
         prompts = prompter.encode(inputs, label_order)
         return label_log_probs(model, tokenizer, prompts, token_lists, options.batch_size)
 
-    gold = [labels.index(label) for label in table["label"]]
     scores = log_probs(texts, order)
     content_free = softmax(log_probs(list(CONTENT_FREE), order)).mean(axis=0)
     swapped = log_probs(texts, order[::-1])
@@ -371,12 +370,12 @@ def run_baseline(
     calibrated = calibrate(probs, content_free)
     headline = "calibrated" if options.calibrate else "uncalibrated"
     results = {
-        "uncalibrated": summary(gold, probs, labels),
+        "uncalibrated": summary(table, probs, labels),
         "calibrated": {
-            **summary(gold, calibrated, labels),
+            **summary(table, calibrated, labels),
             "content_free_probs": dict(zip(labels, content_free.tolist(), strict=True)),
         },
-        "swapped_order": {**summary(gold, softmax(swapped), labels), "label_order": order[::-1]},
+        "swapped_order": {**summary(table, softmax(swapped), labels), "label_order": order[::-1]},
     }
     metrics = {
         **{key: results[headline][key] for key in ("accuracy", "macro_f1", "pred_distribution")},
@@ -406,26 +405,16 @@ def write_baseline(
     calibrated: np.ndarray,
     metrics: dict,
 ) -> None:
-    """`baseline_predictions.jsonl` (one line per text) and `baseline_metrics.json` in `out`."""
-    from loracls.runs import write_json
+    """`baseline_predictions.jsonl` (one line per text) and `baseline_metrics.json` in `out`.
 
+    `probabilities` and `predicted` follow the headline (calibrated with `calibrate`); both variants and the
+    raw log-probabilities are kept beside them.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = calibrated if metrics["headline"] == "calibrated" else probs
-    with (out / "baseline_predictions.jsonl").open("w", encoding="utf-8") as f:
-        for row, s, p, c, best in zip(
-            table.itertuples(index=False), scores, probs, calibrated, chosen.argmax(axis=1), strict=True
-        ):
-            record = {
-                "id": str(row.id),
-                "text": row.text,
-                "gold": row.label,
-                "predicted": labels[int(best)],
-                "log_probs": {name: round(float(x), 4) for name, x in zip(labels, s, strict=True)},
-                "probabilities": {name: round(float(x), 6) for name, x in zip(labels, p, strict=True)},
-                "calibrated": {name: round(float(x), 6) for name, x in zip(labels, c, strict=True)},
-            }
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    headline = calibrated if metrics["headline"] == "calibrated" else probs
+    extra = {"log_probs": scores, "uncalibrated": probs, "calibrated": calibrated}
+    write_predictions_jsonl(out / "baseline_predictions.jsonl", table, headline, labels, extra)
     write_json(out / "baseline_metrics.json", metrics)
 
 
