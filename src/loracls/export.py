@@ -15,14 +15,16 @@ from loracls.predict import EXPORT_INFO, Classifier
 from loracls.runs import RunFolder, package_version, write_json
 
 
-def export_run(run_dir: str | Path, out: str | Path, adapter_only: bool = False) -> Path:
+def export_run(
+    run_dir: str | Path, out: str | Path, adapter_only: bool = False, allow_unfinished: bool = False
+) -> Path:
     """Write `out`: by default the merged classifier (safetensors, config, tokenizer); else the adapter.
 
     The folder is built under `out.partial` and renamed only once it has been verified, so a failed or
     interrupted export never leaves a folder that looks usable.
     """
     run = RunFolder(run_dir)
-    run.check_finished()
+    run.check_finished(allow_unfinished)
     cfg, labels = run.read_config(), run.read_labels()
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -33,7 +35,7 @@ def export_run(run_dir: str | Path, out: str | Path, adapter_only: bool = False)
         if adapter_only:
             shutil.copytree(run.best, tmp)
         else:
-            classifier = Classifier.from_run(run.path, torch.device("cpu"))
+            classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished)
             classifier.model.save_pretrained(tmp)
             classifier.tokenizer.save_pretrained(tmp)
             verify_export(tmp, labels)
@@ -48,6 +50,7 @@ def export_run(run_dir: str | Path, out: str | Path, adapter_only: bool = False)
                 "text_column": cfg.text_column,
                 "base_model": cfg.model,
                 "run": str(run.path.resolve()),
+                "run_status": run.status(),
                 "loracls": package_version("loracls"),
             },
         )

@@ -48,19 +48,23 @@ class Classifier:
     text_column: str = "text"
 
     @classmethod
-    def load(cls, path: str | Path, device: torch.device | None = None) -> Classifier:
-        """A finished run folder, or an export folder (merged or adapter-only)."""
+    def load(
+        cls, path: str | Path, device: torch.device | None = None, allow_unfinished: bool = False
+    ) -> Classifier:
+        """A finished run folder (any run with `allow_unfinished`) or an export folder (merged or adapter)."""
         path = Path(path)
         if (path / "status.json").is_file():
-            return cls.from_run(path, device)
+            return cls.from_run(path, device, allow_unfinished)
         if (path / EXPORT_INFO).is_file():
             return cls.from_export(path, device)
         raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, device: torch.device | None = None) -> Classifier:
+    def from_run(
+        cls, run_dir: str | Path, device: torch.device | None = None, allow_unfinished: bool = False
+    ) -> Classifier:
         run = RunFolder(run_dir)
-        run.check_finished()
+        run.check_finished(allow_unfinished)
         cfg, labels = run.read_config(), run.read_labels()
         model, tokenizer = merge_adapter(cfg.model, run.best, labels, cfg.trust_remote_code)
         return cls(

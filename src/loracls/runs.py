@@ -3,12 +3,13 @@
 RUN/config.yaml         resolved TrainConfig
 RUN/env.json            versions, backend and device
 RUN/labels.json         id2label / label2id
-RUN/status.json         "running" until the run finished; "finished" only after metrics.json exists
-RUN/data/{val,test}.jsonl  the evaluation splits, so `loracls eval RUN` needs nothing else
+RUN/status.json         running, then finished (only after metrics.json exists), interrupted or failed
+RUN/data/{train,val,test}.jsonl, notes.json  the splits as trained and scored (`--resume`, `eval` read them)
 RUN/targets.json        the modules that got LoRA and the trainable parameter counts
 RUN/train_log.jsonl     one line per log step and per validation
 RUN/val_predictions/step_NNNNNN.jsonl
-RUN/best/               adapter + head (PEFT) + tokenizer
+RUN/best/               adapter + head (PEFT) + tokenizer of the best validation step
+RUN/checkpoints/step_NNNNNN/  full training state (see `loracls.checkpoints`): the last few and the best
 RUN/test_predictions.jsonl
 RUN/metrics.json
 """
@@ -29,6 +30,7 @@ import torch
 import yaml
 
 from loracls.config import TrainConfig
+from loracls.data import Splits
 from loracls.errors import LoraclsError
 
 
@@ -71,6 +73,31 @@ class RunFolder:
     def set_status(self, state: str, **extra: Any) -> None:
         self.write_json("status.json", {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra})
 
+    def status(self) -> str | None:
+        """The `state` in RUN/status.json, or None when the folder holds no run."""
+        status_file = self.path / "status.json"
+        if not status_file.is_file():
+            return None
+        return json.loads(status_file.read_text(encoding="utf-8")).get("state")
+
+    def truncate_log(self, step: int) -> None:
+        """Drop `train_log.jsonl` records after `step` (a resumed run writes them again)."""
+        log = self.path / "train_log.jsonl"
+        if log.is_file():
+            lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            tmp = log.with_name(log.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, log)
+
+    def read_splits(self) -> Splits:
+        """The train/val/test tables and labels a run was started with."""
+        notes = json.loads((self.path / "data" / "notes.json").read_text(encoding="utf-8"))
+        tables = [
+            self.read_split(name).astype({"id": str, "label": str}) for name in ("train", "val", "test")
+        ]
+        return Splits(*tables, labels=self.read_labels(), notes=notes)
+
     def read_config(self) -> TrainConfig:
         return TrainConfig.load(self.path / "config.yaml")
 
@@ -81,15 +108,21 @@ class RunFolder:
     def read_split(self, name: str) -> pd.DataFrame:
         return pd.read_json(self.path / "data" / f"{name}.jsonl", lines=True, dtype=False)
 
-    def check_finished(self) -> None:
-        status_file = self.path / "status.json"
-        if not status_file.is_file():
+    def check_finished(self, allow_unfinished: bool = False) -> None:
+        """Refuse a folder that is not a run, or a run that did not finish (unless `allow_unfinished`)."""
+        state = self.status()
+        if state is None:
             raise LoraclsError(f"{self.path} is not a loracls run folder (no status.json)")
-        state = json.loads(status_file.read_text(encoding="utf-8")).get("state")
-        if state != "finished" or not (self.best / "adapter_config.json").is_file():
+        has_best = (self.best / "adapter_config.json").is_file()
+        if state == "finished" and has_best:
+            return
+        if not allow_unfinished:
             raise LoraclsError(
-                f"{self.path} did not finish (status: {state}); its best checkpoint is incomplete"
+                f"{self.path} did not finish (status: {state}). Continue it with `loracls train --resume "
+                f"{self.path}`, or pass --allow-unfinished to use its best checkpoint so far."
             )
+        if not has_best:
+            raise LoraclsError(f"{self.path} (status: {state}) has no best checkpoint yet: no validation ran")
 
 
 def write_json(path: Path, value: Any) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -19,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.optim import AdamW
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from loracls import checkpoints
 from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
 from loracls.doctor import check_before_training, collect_facts, diagnose
@@ -82,10 +87,17 @@ def fit(
     cfg: TrainConfig,
     run: RunFolder,
     accelerator: Accelerator,
+    resume: Path | None = None,
 ) -> FitResult:
-    """Train with AdamW, cosine warm-up schedule, accumulation and clipping; validate and keep the best."""
-    loader = make_loader(train_set, tokenizer, cfg.batch_size, shuffle=True, seed=cfg.seed)
-    sampler = loader.batch_sampler
+    """Train with AdamW, cosine warm-up, accumulation and clipping; validate, keep the best, checkpoint.
+
+    With `resume`, the adapter, optimizer, scheduler, RNG states and data position come from that checkpoint,
+    and training continues as if it had never stopped.
+    """
+    # the loader's own generator: a resumed run's fresh iterator must not draw from the global RNG (dropout's)
+    loader = make_loader(
+        train_set, tokenizer, cfg.batch_size, shuffle=True, seed=cfg.seed, generator=torch.Generator()
+    )
     steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
@@ -93,15 +105,18 @@ def fit(
     optimizer = AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    checkpoints.register_adapter_hooks(accelerator)
+    state = checkpoints.TrainerState(total_steps=total_steps)
+    if resume is not None:
+        state = checkpoints.load(accelerator, resume)
+        restore_best(run, tokenizer, state)
+        console.print(f"Resumed from {resume}: step {state.step} of {state.total_steps}")
     console.print(
         f"{len(train_set)} training examples, {steps_per_epoch} optimizer steps per epoch, "
         f"{total_steps} in all (warm-up {warmup}), effective batch {cfg.effective_batch_size}"
     )
 
-    step, epoch, best_step, best_val, stale = 0, 0, 0, None, 0
-    window_loss, window_micro, window_examples, window_tokens = 0.0, 0, 0, 0
-    examples, tokens, train_s = 0, 0, 0.0
-    start = window_start = time.perf_counter()
+    start = time.perf_counter()
     progress = Progress(
         TextColumn("[bold]train"),
         BarColumn(),
@@ -111,62 +126,70 @@ def fit(
         console=console,
         transient=True,
     )
-    task = progress.add_task("", total=total_steps)
+    task = progress.add_task("", total=state.total_steps, completed=state.step)
+    step_loss, step_micro, nonfinite = 0.0, 0, False
     model.train()
-    with progress:
-        while step < total_steps:
-            sampler.set_epoch(epoch)
-            for batch in loader:
+    with progress, StopSignals() as stop:
+        clock = time.perf_counter()
+        while state.step < state.total_steps:
+            loader.set_epoch(state.epoch)  # accelerate's loader would count its own iterations instead
+            batches = (
+                accelerator.skip_first_batches(loader, state.batches_in_epoch)
+                if state.batches_in_epoch
+                else loader
+            )
+            for batch in batches:
+                state.batches_in_epoch += 1
                 with accelerator.accumulate(model):
                     loss = model(**batch).loss
                     accelerator.backward(loss)
+                    step_loss += float(loss.detach())
+                    step_micro += 1
+                    state.window_examples += len(batch["labels"])
+                    state.window_tokens += int(batch["attention_mask"].sum())
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                    optimizer.step()
+                        # under fp16 the loss scaler skips steps with inf gradients itself
+                        nonfinite = not math.isfinite(step_loss) or (
+                            accelerator.scaler is None and not torch.isfinite(grad_norm)
+                        )
+                        if not nonfinite:
+                            optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
-                window_loss += loss.detach().float()
-                window_micro += 1
-                window_examples += len(batch["labels"])
-                window_tokens += int(batch["attention_mask"].sum())
                 if not accelerator.sync_gradients:
                     continue
-                step += 1
-                progress.update(task, advance=1)
-                if not torch.isfinite(grad_norm):
-                    raise LoraclsError(
-                        f"Non-finite gradient at optimizer step {step} (loss {float(loss):.4g}). Lower --lr "
-                        f"or use --precision fp32. Best checkpoint so far: {run.best if best_val else 'none'}"
-                    )
+                state.step += 1
+                progress.update(task, completed=state.step)
+                if nonfinite:
+                    skip_nonfinite_step(state, cfg, run, step_loss / step_micro, float(grad_norm))
+                else:
+                    state.window_loss += step_loss
+                    state.window_micro += step_micro
+                step_loss, step_micro = 0.0, 0
 
-                if step % cfg.log_every == 0 or step == total_steps:
-                    elapsed = time.perf_counter() - window_start
-                    record = {
-                        "kind": "train",
-                        "step": step,
-                        "epoch": round(step / steps_per_epoch, 3),
-                        "loss": float(window_loss) / window_micro,
-                        "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": float(grad_norm),
-                        "examples_per_s": window_examples / elapsed,
-                        "tokens_per_s": window_tokens / elapsed,
-                        **memory_gb(accelerator.device),
-                    }
+                if state.step % cfg.log_every == 0 or state.step == state.total_steps:
+                    now = time.perf_counter()
+                    state.window_s += now - clock
+                    clock = now
+                    record = log_window(
+                        state,
+                        state.step / steps_per_epoch,
+                        scheduler.get_last_lr()[0],
+                        grad_norm,
+                        accelerator,
+                    )
                     run.append_log(record)
                     progress.update(task, description=f"loss {record['loss']:.4f}")
                     progress.console.print(
-                        f"step {step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                        f"step {state.step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                         f"{record['examples_per_s']:.1f} ex/s {record['tokens_per_s']:.0f} tok/s | "
                         + " ".join(f"{k[4:]} {v:.2f}G" for k, v in record.items() if k.startswith("mem_"))
                     )
-                    examples += window_examples
-                    tokens += window_tokens
-                    train_s += elapsed
-                    window_loss, window_micro, window_examples, window_tokens = 0.0, 0, 0, 0
-                    window_start = time.perf_counter()
 
-                if step % cfg.eval_every == 0 or step == total_steps:
-                    eval_start = time.perf_counter()
+                improved = False
+                if state.step % cfg.eval_every == 0 or state.step == state.total_steps:
+                    state.window_s += time.perf_counter() - clock  # validation is not training time
                     val = validate(
                         accelerator.unwrap_model(model),
                         tokenizer,
@@ -174,35 +197,142 @@ def fit(
                         splits,
                         cfg,
                         run,
-                        step,
+                        state.step,
                         accelerator,
                     )
-                    improved = best_val is None or val[cfg.metric] > best_val[cfg.metric]
-                    record = {
-                        "kind": "eval",
-                        "step": step,
-                        "val_accuracy": val["accuracy"],
-                        "val_macro_f1": val["macro_f1"],
-                        "best": improved,
-                    }
-                    run.append_log(record)
+                    improved = state.best_val is None or val[cfg.metric] > state.best_val[cfg.metric]
+                    run.append_log(
+                        {
+                            "kind": "eval",
+                            "step": state.step,
+                            "val_accuracy": val["accuracy"],
+                            "val_macro_f1": val["macro_f1"],
+                            "best": improved,
+                        }
+                    )
                     progress.console.print(
-                        f"step {step:>5} | [bold]val accuracy {val['accuracy']:.4f} "
+                        f"step {state.step:>5} | [bold]val accuracy {val['accuracy']:.4f} "
                         f"macro-F1 {val['macro_f1']:.4f}[/]" + ("  (best)" if improved else "")
                     )
                     if improved:
-                        best_step, best_val, stale = step, val, 0
-                        save_checkpoint(accelerator.unwrap_model(model), tokenizer, run)
+                        state.best_step, state.best_val, state.stale = state.step, val, 0
+                        save_best(accelerator.unwrap_model(model), tokenizer, run)
                     else:
-                        stale += 1
-                    if cfg.early_stopping_patience is not None and stale >= cfg.early_stopping_patience:
-                        console.print(f"Early stopping: no gain in {stale} validations")
-                        total_steps = step
-                    window_start += time.perf_counter() - eval_start  # validation is not training time
-                if step >= total_steps:
+                        state.stale += 1
+                    if cfg.early_stopping_patience is not None and state.stale >= cfg.early_stopping_patience:
+                        console.print(f"Early stopping: no gain in {state.stale} validations")
+                        state.total_steps = state.step
+                    clock = time.perf_counter()
+
+                saving = state.step % cfg.save_every == 0 or state.step >= state.total_steps
+                if improved or saving or stop.signal:
+                    state.window_s += time.perf_counter() - clock
+                    folder = checkpoints.save(accelerator, state, run.path, cfg.keep_checkpoints)
+                    clock = time.perf_counter()
+                if stop.signal:
+                    raise Interrupted(
+                        f"{stop.signal}: stopped after optimizer step {state.step} of {state.total_steps}; "
+                        f"checkpoint {folder}. Continue with `loracls train --resume {run.path}`."
+                    )
+                if state.step >= state.total_steps:
                     break
-            epoch += 1
-    return FitResult(best_step, best_val, step, examples, tokens, train_s, time.perf_counter() - start)
+            else:
+                state.epoch += 1
+                state.batches_in_epoch = 0
+    return FitResult(
+        state.best_step,
+        state.best_val,
+        state.step,
+        state.examples,
+        state.tokens,
+        state.train_s,
+        time.perf_counter() - start,
+    )
+
+
+def skip_nonfinite_step(
+    state: checkpoints.TrainerState, cfg: TrainConfig, run: RunFolder, loss: float, grad_norm: float
+) -> None:
+    """Count a step whose loss or gradient was NaN/inf (update not applied); stop past the allowance."""
+    state.skipped_nonfinite += 1
+    run.append_log({"kind": "skipped", "step": state.step, "loss": loss, "grad_norm": grad_norm})
+    if state.skipped_nonfinite > cfg.skip_nonfinite:
+        last = checkpoints.latest(run.path)
+        raise LoraclsError(
+            f"Non-finite loss or gradient at optimizer step {state.step} (loss {loss:.4g}, gradient norm "
+            f"{grad_norm:.4g}); the update was not applied. Last good checkpoint: {last or 'none yet'}. "
+            f"Lower --lr, use --precision fp32, or allow a few such steps with --skip-nonfinite N "
+            f"({cfg.skip_nonfinite} allowed now)."
+        )
+    console.print(
+        f"[yellow]step {state.step}: non-finite loss or gradient, update skipped "
+        f"({state.skipped_nonfinite} of {cfg.skip_nonfinite} allowed)[/]"
+    )
+
+
+def log_window(
+    state: checkpoints.TrainerState,
+    epoch: float,
+    lr: float,
+    grad_norm: torch.Tensor,
+    accelerator: Accelerator,
+) -> dict:
+    """The `train_log.jsonl` record of the log window that just ended; folds it into the run's totals."""
+    record = {
+        "kind": "train",
+        "step": state.step,
+        "epoch": round(epoch, 3),
+        "loss": state.window_loss / max(state.window_micro, 1),
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "examples_per_s": state.window_examples / state.window_s,
+        "tokens_per_s": state.window_tokens / state.window_s,
+        **memory_gb(accelerator.device),
+    }
+    state.examples += state.window_examples
+    state.tokens += state.window_tokens
+    state.train_s += state.window_s
+    state.window_loss, state.window_micro, state.window_examples, state.window_tokens, state.window_s = (
+        0.0,
+        0,
+        0,
+        0,
+        0.0,
+    )
+    return record
+
+
+class Interrupted(LoraclsError):
+    """Training stopped on SIGINT/SIGTERM after writing a checkpoint."""
+
+    exit_code = 130
+
+
+class StopSignals:
+    """Within the block, SIGINT (Ctrl-C) and SIGTERM ask the loop to stop after the current optimizer step.
+
+    A second signal stops at once, as Ctrl-C normally does.
+    """
+
+    def __enter__(self) -> StopSignals:
+        self.signal: str | None = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                self.previous[number] = signal.signal(number, self.handle)
+        return self
+
+    def handle(self, number: int, frame) -> None:
+        if self.signal:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(number).name
+        console.print(
+            f"[yellow]{self.signal}: finishing this step and writing a checkpoint (again: stop now)[/]"
+        )
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
 
 
 def validate(
@@ -225,11 +355,24 @@ def validate(
     return score(splits.val, probs, splits.labels)
 
 
-def save_checkpoint(model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder) -> None:
+def save_best(model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder) -> None:
     """Adapter, head and tokenizer into RUN/best, replaced in one rename."""
     tmp = run.file("best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(run.best, ignore_errors=True)
+    tmp.rename(run.best)
+
+
+def restore_best(run: RunFolder, tokenizer: PreTrainedTokenizerBase, state: checkpoints.TrainerState) -> None:
+    """On resume, RUN/best may hold a later step than the checkpoint's best: put that best back."""
+    if state.best_val is None:
+        shutil.rmtree(run.best, ignore_errors=True)
+        return
+    tmp = run.file("best.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(checkpoints.step_folder(run.path, state.best_step) / checkpoints.ADAPTER, tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(run.best, ignore_errors=True)
     tmp.rename(run.best)
@@ -247,9 +390,40 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
     run = RunFolder.create(cfg.out, cfg.data)
     cfg.out = str(run.path)
     run.write_config(cfg)
-    run.set_status("running")
+    run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
+    for name in ("train", "val", "test"):
+        write_jsonl(run.file(f"data/{name}.jsonl"), getattr(splits, name))
+    run.write_json("data/notes.json", splits.notes)
+    return guarded(run, cfg, splits, resume=None)
+
+
+def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
+    """Continue an unfinished run from its last checkpoint, with its own config and data splits."""
+    run = RunFolder(Path(run_dir))
+    state = run.status()
+    if state == "finished":
+        raise LoraclsError(f"{run.path} already finished; nothing to resume")
+    checkpoint = checkpoints.latest(run.path)
+    if checkpoint is None:
+        raise LoraclsError(
+            f"{run.path} (status: {state}) has no complete checkpoint to resume from; start the run again"
+        )
+    cfg = run.read_config()
+    splits = run.read_splits()
+    step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
+    run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
+    console.print(f"Resuming {run.path} from {checkpoint.name} (status was: {state})")
+    return guarded(run, cfg, splits, resume=checkpoint)
+
+
+def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None) -> tuple[RunFolder, dict]:
+    """`train_into()` with `RUN/status.json` saying running, then finished, interrupted or failed."""
+    run.set_status("running", resumed_from=str(resume) if resume else None)
     try:
-        metrics = train_into(run, cfg, splits)
+        metrics = train_into(run, cfg, splits, resume)
+    except (Interrupted, KeyboardInterrupt) as e:
+        run.set_status("interrupted", error=str(e) or "KeyboardInterrupt")
+        raise
     except BaseException as e:
         run.set_status("failed", error=f"{type(e).__name__}: {e}")
         raise
@@ -257,32 +431,34 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
     return run, metrics
 
 
-def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
+def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
     """Model, LoRA, `fit()` and the test report, written into an open run folder."""
     accelerator = Accelerator(
         mixed_precision=mixed_precision(cfg.precision), gradient_accumulation_steps=cfg.grad_accum
     )
     facts = collect_facts()
-    run.write_json(
-        "env.json",
-        {
-            **environment(accelerator.device),
-            "mixed_precision": accelerator.mixed_precision,
-            "system_rocm": facts.system_rocm,
-            "driver": facts.driver,
-            "doctor": diagnose(facts).to_json(),
-        },
-    )
-    run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
-    write_jsonl(run.file("data/val.jsonl"), splits.val)
-    write_jsonl(run.file("data/test.jsonl"), splits.test)
+    env = {
+        **environment(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "system_rocm": facts.system_rocm,
+        "driver": facts.driver,
+        "doctor": diagnose(facts).to_json(),
+    }
+    if resume is None:
+        run.write_json("env.json", env)
+    else:  # the first environment stays; each resume adds where and on what it continued
+        first = json.loads(run.file("env.json").read_text(encoding="utf-8"))
+        first.setdefault("resumes", []).append({"from": str(resume), **env})
+        run.write_json("env.json", first)
 
     if cfg.smoke_test and accelerator.device.type == "cuda":
         check_before_training(str(accelerator.device), facts)
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     baseline = None
-    if cfg.baseline:
+    if cfg.baseline and resume is not None and run.file("baseline_metrics.json").is_file():
+        baseline = json.loads(run.file("baseline_metrics.json").read_text(encoding="utf-8"))
+    elif cfg.baseline:
         baseline = baseline_for_run(
             model_path, tokenizer, splits, cfg, run.path, accelerator.device, accelerator.autocast()
         )
@@ -307,7 +483,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits) -> dict:
     console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
     console.print(targets_line(plan))
 
-    result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator)
+    result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, resume)
 
     model = accelerator.unwrap_model(model)
     set_peft_model_state_dict(model, load_peft_weights(str(run.best)))

@@ -101,9 +101,8 @@ def load_baseline_data(
         if split not in ("train", "val", "test"):
             raise LoraclsError(f"--split must be train, val or test, not {split!r}")
         return getattr(splits, split), splits.train, splits.labels
-    notes: list[str] = []
-    table = read_labelled(data, cfg.text_column, cfg.label_column, notes)
-    train = read_labelled(train_file, cfg.text_column, cfg.label_column, notes) if train_file else None
+    table = read_labelled(data, cfg.text_column, cfg.label_column)
+    train = read_labelled(train_file, cfg.text_column, cfg.label_column) if train_file else None
     if cfg.max_eval_examples and len(table) > cfg.max_eval_examples:
         table = stratified_sample(table, cfg.max_eval_examples, cfg.seed).reset_index(drop=True)
     values = set(table["label"]) | (set(train["label"]) if train is not None else set())

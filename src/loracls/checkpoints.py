@@ -1,0 +1,126 @@
+"""Training checkpoints: everything needed to continue a run exactly where it stopped.
+
+RUN/checkpoints/step_NNNNNN/
+    adapter/                   LoRA matrices and the trained head (PEFT, safetensors)
+    optimizer.bin, scheduler.bin, random_states_0.pkl
+                               `Accelerator.save_state`: AdamW moments, schedule, RNG states
+    trainer_state.json         `TrainerState`: step, position in the data, best so far, counters
+
+A checkpoint is written into `step_NNNNNN.tmp` and renamed when whole, so a folder without `.tmp` is always
+complete and a failed write (disk full, a kill) leaves the previous checkpoints as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from accelerate import Accelerator
+from peft import set_peft_model_state_dict
+from peft.utils import load_peft_weights
+
+from loracls.errors import LoraclsError
+
+FOLDER = "checkpoints"
+STATE_FILE = "trainer_state.json"
+ADAPTER = "adapter"
+
+
+@dataclass
+class TrainerState:
+    """`fit()`'s counters: saved with every checkpoint and restored by `--resume`."""
+
+    total_steps: int
+    """Optimizer steps the run will take (lowered when early stopping ends it)."""
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Pass over the training data in progress (its batch order is seeded by `seed + epoch`)."""
+    batches_in_epoch: int = 0
+    """Micro-batches of `epoch` already consumed; a resumed run skips them."""
+    best_step: int = 0
+    best_val: dict | None = None
+    """Validation metrics of the best step so far."""
+    stale: int = 0
+    """Validations since the last improvement (for early stopping)."""
+    skipped_nonfinite: int = 0
+    """Optimizer steps skipped because the loss or gradient was NaN or infinite."""
+    examples: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+    """Examples, real tokens and seconds of training so far (validation excluded)."""
+    window_loss: float = 0.0
+    window_micro: int = 0
+    window_examples: int = 0
+    window_tokens: int = 0
+    window_s: float = 0.0
+    """The log window in progress: summed loss, micro-batches, examples, tokens and seconds."""
+
+
+def register_adapter_hooks(accelerator: Accelerator) -> None:
+    """Make `save_state`/`load_state` store the PEFT adapter (LoRA + head), not the frozen base weights."""
+
+    def save(models, weights, output_dir) -> None:
+        models[0].save_pretrained(Path(output_dir) / ADAPTER)
+        weights.clear()
+
+    def load(models, input_dir) -> None:
+        set_peft_model_state_dict(models[0], load_peft_weights(str(Path(input_dir) / ADAPTER)))
+        models.clear()
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def step_folder(run_path: Path, step: int) -> Path:
+    return run_path / FOLDER / f"step_{step:06d}"
+
+
+def complete(run_path: Path) -> list[Path]:
+    """Whole checkpoints of a run, oldest first."""
+    folder = run_path / FOLDER
+    if not folder.is_dir():
+        return []
+    found = [
+        p for p in folder.iterdir() if re.fullmatch(r"step_\d{6}", p.name) and (p / STATE_FILE).is_file()
+    ]
+    return sorted(found)
+
+
+def latest(run_path: Path) -> Path | None:
+    found = complete(run_path)
+    return found[-1] if found else None
+
+
+def save(accelerator: Accelerator, state: TrainerState, run_path: Path, keep: int) -> Path:
+    """Write a checkpoint of `state.step` atomically, then keep only the last `keep` and the best."""
+    final = step_folder(run_path, state.step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        accelerator.save_state(str(tmp))
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest(run_path)
+        raise LoraclsError(
+            f"Could not write the checkpoint of step {state.step} to {final}: {e}. "
+            f"The previous checkpoint is intact: {previous or 'none yet'}. Free space, then "
+            f"`loracls train --resume {run_path}`."
+        ) from None
+    for old in complete(run_path)[:-keep]:
+        if old.name != step_folder(run_path, state.best_step).name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(accelerator: Accelerator, folder: Path) -> TrainerState:
+    """Restore adapter, optimizer, scheduler and RNG from `folder`; return its `TrainerState`."""
+    accelerator.load_state(str(folder))
+    return TrainerState(**json.loads((folder / STATE_FILE).read_text(encoding="utf-8")))
