@@ -49,7 +49,9 @@ def test_non_utf8_file_is_named(tmp_path):
 def test_empty_text_and_missing_label_rows_are_named(tmp_path):
     path = tmp_path / "d.csv"
     pd.DataFrame({"text": ["fine", " ", "ok"], "label": ["a", "b", "a"]}).to_csv(path, index=False)
-    with pytest.raises(LoraclsError, match=r"empty text in 1 row\(s\), first at data row\(s\) \[1\]"):
+    with pytest.raises(
+        LoraclsError, match=r"empty or non-text 'text' in 1 row\(s\), first at data row\(s\) \[1\]"
+    ):
         read_labelled(str(path), "text", "label")
     pd.DataFrame({"text": ["fine", "bad", "ok"], "label": ["a", None, "a"]}).to_csv(path, index=False)
     with pytest.raises(LoraclsError, match=r"missing label in 1 row"):
@@ -168,3 +170,11 @@ def test_inspect_reports_duplicates_leakage_rare_labels_and_lengths(tmp_path, ti
 
     result = invoke("data", "inspect", tmp_path / "train.csv", "--label-column", "stars")
     assert result.exit_code == 2 and "no label column 'stars'" in result.output
+
+
+def test_class_too_rare_for_a_stratified_split_is_named(tmp_path):
+    path = tmp_path / "rare.csv"
+    texts = [f"text {i}" for i in range(21)]
+    pd.DataFrame({"text": texts, "label": ["a"] * 20 + ["b"]}).to_csv(path, index=False)
+    with pytest.raises(LoraclsError, match=r"Cannot make the test split.*Class counts: \{'a': 20, 'b': 1\}"):
+        load_splits(TrainConfig(data=str(path)))

@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -10,7 +13,7 @@ from loracls.model import (
     load_tokenizer,
     resolve_model,
 )
-from tests.conftest import FAMILIES, char_tokenizer
+from tests.conftest import FAMILIES, char_tokenizer, invoke
 
 LABELS = ["negative", "positive"]
 
@@ -152,3 +155,31 @@ def test_generic_classifier_follows_transformers_loss_conventions(tiny_models, p
     torch.testing.assert_close(a.logits, b.logits)
     torch.testing.assert_close(a.loss, b.loss)
     assert a.loss > 0
+
+
+def test_pickle_weights_are_refused_unless_allowed(tiny_models, tmp_path):
+    folder = tmp_path / "pickled"
+    shutil.copytree(tiny_models["llama"], folder)
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save(weights, folder / "pytorch_model.bin")
+    with pytest.raises(LoraclsError, match=r"only as pickle files \(pytorch_model.bin\).*--allow-pickle"):
+        load_classifier(str(folder), LABELS)
+    model = load_classifier(str(folder), LABELS, allow_pickle=True)
+    assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"])
+
+
+def test_remote_code_is_refused_before_it_runs(tiny_models, tmp_path, toy_csv):
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_models["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="my-llama", auto_map={"AutoConfig": "configuration_my.MyConfig"})
+    (folder / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "code-ran"
+    (folder / "configuration_my.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(LoraclsError, match=r"configuration_my.py.*--trust-remote-code"):
+        load_classifier(str(folder), LABELS)
+    result = invoke("train", "--model", folder, "--data", toy_csv, "--out", tmp_path / "run", "--no-baseline")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "does not run them unless you pass --trust-remote-code" in " ".join(result.output.split())
+    assert not marker.exists()

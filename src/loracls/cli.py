@@ -197,9 +197,7 @@ def evaluate(
         run.check_finished(allow_unfinished)
         cfg = run.read_config()
         table = (
-            run.read_split("test")
-            if data is None
-            else read_labelled(data, cfg.text_column, cfg.label_column)
+            run.read_split("test") if data is None else read_labelled(data, cfg.text_column, cfg.label_column)
         )
         classifier = Classifier.from_run(str(run_dir), allow_unfinished=allow_unfinished)
         unknown = sorted(set(table["label"].astype(str)) - set(classifier.labels))

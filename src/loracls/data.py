@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import math
 import random
 from collections.abc import Iterator
@@ -104,7 +105,10 @@ def read_table(path: Path) -> pd.DataFrame:
             f"{path}: unsupported file type '{path.suffix}'; use .csv, .tsv, .jsonl or .parquet"
         )
     if kind == "parquet":
-        return pd.read_parquet(path)
+        try:
+            return pd.read_parquet(path)
+        except (ValueError, OSError) as e:  # pyarrow's errors derive from these
+            raise LoraclsError(f"{path} could not be read as Parquet: {e}") from None
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -112,9 +116,9 @@ def read_table(path: Path) -> pd.DataFrame:
             f"{path} is not UTF-8 (tried utf-8; bad byte at offset {e.start}). Re-save it as UTF-8, "
             f"e.g. `iconv -f GBK -t UTF-8 {path.name} > fixed{path.suffix}`."
         ) from None
+    if kind == "json":
+        return read_json_records(text, path, lines=path.suffix.lower() == ".jsonl")
     try:
-        if kind == "json":
-            return pd.read_json(io.StringIO(text), lines=path.suffix.lower() == ".jsonl", dtype=False)
         return pd.read_csv(
             io.StringIO(text),
             sep="\t" if path.suffix.lower() == ".tsv" else ",",
@@ -124,6 +128,36 @@ def read_table(path: Path) -> pd.DataFrame:
         )
     except ValueError as e:
         raise LoraclsError(f"{path} could not be parsed as {kind}: {e}") from None
+
+
+def read_json_records(text: str, path: Path, lines: bool) -> pd.DataFrame:
+    """JSON Lines (one object per line) or a JSON list of objects; a bad line is named by its number."""
+    if lines:
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise LoraclsError(
+                    f"{path}: line {number} is not valid JSON ({e.msg}, column {e.colno})"
+                ) from None
+            if not isinstance(records[-1], dict):
+                raise LoraclsError(
+                    f"{path}: line {number} holds a JSON {type(records[-1]).__name__}, not an object"
+                )
+    else:
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LoraclsError(
+                f"{path} is not valid JSON ({e.msg}, line {e.lineno} column {e.colno}); "
+                "for one record per line, name the file .jsonl"
+            ) from None
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise LoraclsError(f"{path}: expected a JSON list of objects, one per example")
+    return pd.DataFrame.from_records(records)
 
 
 def check_columns(frame: pd.DataFrame, path: Path, text_column: str, label_column: str) -> pd.DataFrame:
@@ -137,13 +171,20 @@ def check_columns(frame: pd.DataFrame, path: Path, text_column: str, label_colum
     blank = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
     if blank:
         raise LoraclsError(
-            f"{path}: empty text in {len(blank)} row(s), first at data row(s) {blank[:5]} "
-            "(0-based, header excluded). Remove or fill them."
+            f"{path}: empty or non-text '{text_column}' in {len(blank)} row(s), first at data row(s) "
+            f"{blank[:5]} (0-based, header excluded), e.g. {texts.iloc[blank[0]]!r}. Remove or fill them."
         )
-    missing = frame.index[frame[label_column].isna()].tolist()
+    labels = frame[label_column]
+    missing = [i for i, v in enumerate(labels) if v is None or (isinstance(v, float) and math.isnan(v))]
     if missing:
         raise LoraclsError(
             f"{path}: missing label in {len(missing)} row(s), first at data row(s) {missing[:5]}"
+        )
+    odd = [i for i, v in enumerate(labels) if not isinstance(v, str | int | float | bool)]
+    if odd:
+        raise LoraclsError(
+            f"{path}: label at data row(s) {odd[:5]} is a {type(labels.iloc[odd[0]]).__name__} "
+            f"({labels.iloc[odd[0]]!r}); a label is one string or number"
         )
     ids = frame["id"].astype(str) if "id" in frame.columns else pd.Series(range(len(frame))).astype(str)
     return pd.DataFrame(

@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
 
 from loracls.errors import LoraclsError
@@ -99,8 +100,45 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Weight files read with pickle, which can run code while loading."""
+
+
+def check_remote_code(path: str, trust_remote_code: bool) -> None:
+    """Refuse a checkpoint that needs its own Python code, before transformers would run it (or ask)."""
+    if trust_remote_code:
+        return
+    try:
+        config, _ = PretrainedConfig.get_config_dict(path)
+    except OSError:
+        return  # no config at all: the loader's own error says what is missing
+    if "auto_map" in config and config.get("model_type") not in CONFIG_MAPPING:
+        code = ", ".join(sorted(set(str(v).split(".")[0] + ".py" for v in config["auto_map"].values())))
+        raise LoraclsError(
+            f"{path} is a '{config.get('model_type')}' model that transformers only loads by running Python "
+            f"files shipped with it ({code}). loracls does not run them unless you pass --trust-remote-code "
+            "(trust_remote_code: true); read them first. Gemma, Llama and Qwen models never need it."
+        )
+
+
+def check_weight_files(path: str, allow_pickle: bool) -> None:
+    """Refuse a model folder whose only weights are pickles (reading a pickle can run code)."""
+    folder = Path(path)
+    if allow_pickle or not folder.is_dir():
+        return
+    names = [p.name for p in folder.iterdir()]
+    pickled = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+    if pickled and not any(n.endswith(".safetensors") for n in names):
+        raise LoraclsError(
+            f"{path} holds its weights only as pickle files ({', '.join(pickled[:3])}); reading a pickle can "
+            "run code, so loracls loads safetensors only. Convert the checkpoint to safetensors where you "
+            "trust it, or pass --allow-pickle (allow_pickle: true) for a checkpoint you trust."
+        )
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The fast tokenizer, else the slow one; right padding; pad/unk taken from eos when missing."""
+    check_remote_code(path, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as fast_error:  # noqa: BLE001 - any failure of the fast path gets the slow one
@@ -184,6 +222,7 @@ def classifier_class(config: PretrainedConfig) -> tuple[type[PreTrainedModel], P
 
 def classifier_config(path: str, labels: list[str], trust_remote_code: bool = False):
     """`classifier_class()` for the checkpoint at `path`, its config carrying the labels."""
+    check_remote_code(path, trust_remote_code)
     cls, config, key_mapping = classifier_class(
         AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     )
@@ -203,7 +242,11 @@ def empty_classifier(path: str, labels: list[str], trust_remote_code: bool = Fal
 
 
 def load_classifier(
-    path: str, labels: list[str], trust_remote_code: bool = False, head_init: str = "zero"
+    path: str,
+    labels: list[str],
+    trust_remote_code: bool = False,
+    head_init: str = "zero",
+    allow_pickle: bool = False,
 ) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
 
@@ -216,6 +259,7 @@ def load_classifier(
     steps undoing that.
     """
     cls, config, key_mapping = classifier_config(path, labels, trust_remote_code)
+    check_weight_files(path, allow_pickle)
     model, info = cls.from_pretrained(
         path,
         config=config,
@@ -223,6 +267,7 @@ def load_classifier(
         output_loading_info=True,
         trust_remote_code=trust_remote_code,
         key_mapping=key_mapping,
+        use_safetensors=None if allow_pickle else True,
     )
     if key_mapping:
         # transformers would undo the renaming on save_pretrained, writing `model.language_model.*` keys that

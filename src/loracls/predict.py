@@ -27,11 +27,15 @@ def default_device() -> torch.device:
 
 
 def merge_adapter(
-    base_model: str, adapter: Path, labels: list[str], trust_remote_code: bool = False
+    base_model: str,
+    adapter: Path,
+    labels: list[str],
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer."""
     tokenizer = load_tokenizer(str(adapter))
-    base = load_classifier(resolve_model(base_model), labels, trust_remote_code)
+    base = load_classifier(resolve_model(base_model), labels, trust_remote_code, allow_pickle=allow_pickle)
     base.config.pad_token_id = tokenizer.pad_token_id
     return PeftModel.from_pretrained(base, str(adapter)).merge_and_unload(), tokenizer
 
@@ -66,7 +70,7 @@ class Classifier:
         run = RunFolder(run_dir)
         run.check_finished(allow_unfinished)
         cfg, labels = run.read_config(), run.read_labels()
-        model, tokenizer = merge_adapter(cfg.model, run.best, labels, cfg.trust_remote_code)
+        model, tokenizer = merge_adapter(cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle)
         return cls(
             model.to(device or default_device()).eval(),
             tokenizer,

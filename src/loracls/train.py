@@ -464,7 +464,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         )
         console.print(baseline_line(baseline))
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
-    model = load_classifier(model_path, splits.labels, cfg.trust_remote_code, cfg.head_init)
+    model = load_classifier(model_path, splits.labels, cfg.trust_remote_code, cfg.head_init, cfg.allow_pickle)
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
 

@@ -28,7 +28,7 @@ from loracls.data import (
 )
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
-from loracls.model import LANGUAGE_MODEL_KEYS
+from loracls.model import LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
 from loracls.runs import write_json
 
 console = Console(stderr=True)
@@ -122,7 +122,7 @@ def baseline_for_run(
     autocast,
 ) -> dict:
     """The baseline a training run reports next to its test metrics; the LM is freed afterwards."""
-    model = load_causal_lm(model_path, cfg.trust_remote_code).to(device)
+    model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(device)
     with autocast:
         metrics = run_baseline(
             model,
@@ -205,8 +205,10 @@ def verbalizer_tokens(
     return tokens
 
 
-def load_causal_lm(path: str, trust_remote_code: bool = False) -> PreTrainedModel:
+def load_causal_lm(path: str, trust_remote_code: bool = False, allow_pickle: bool = False) -> PreTrainedModel:
     """The language model with its LM head; of a multimodal checkpoint only the text part is loaded."""
+    check_remote_code(path, trust_remote_code)
+    check_weight_files(path, allow_pickle)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     text = config.get_text_config()
     if text is not config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
@@ -215,7 +217,12 @@ def load_causal_lm(path: str, trust_remote_code: bool = False) -> PreTrainedMode
     else:
         cls, key_mapping = AutoModelForCausalLM, None
     return cls.from_pretrained(
-        path, config=config, dtype=torch.float32, key_mapping=key_mapping, trust_remote_code=trust_remote_code
+        path,
+        config=config,
+        dtype=torch.float32,
+        key_mapping=key_mapping,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=None if allow_pickle else True,
     ).eval()
 
 
