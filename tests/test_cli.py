@@ -1,6 +1,7 @@
 """The whole pipeline through the command line, on tiny local models."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -158,3 +159,74 @@ def test_unfinished_run_is_refused(trained, tmp_path):
     assert result.exit_code == 2 and "did not finish (status: running)" in result.output
     result = invoke("predict", run)
     assert result.exit_code == 2 and "one of the two" in result.output
+
+
+def bad_inputs(tmp: Path, good: Path) -> dict[str, tuple[list, str]]:
+    """Each bad input `loracls train` must refuse: (arguments, a phrase of the message)."""
+    frame = pd.read_csv(good)
+
+    def csv(name: str, table: pd.DataFrame) -> Path:
+        table.to_csv(tmp / name, index=False)
+        return tmp / name
+
+    (tmp / "gbk.csv").write_bytes("text,label\n很好,positive\n".encode("gbk"))
+    (tmp / "bad.jsonl").write_text('{"text": "a", "label": "x"}\n{"text": "b", "label"\n')
+    (tmp / "bad.yaml").write_text("lr: [1e-4\n")
+    blank, unlabelled = frame.copy(), frame.copy()
+    blank.loc[3, "text"] = "  "
+    unlabelled.loc[5, "label"] = None
+    neutral = frame.head(10).assign(label="neutral")
+    return {
+        "missing file": (["--data", tmp / "nope.csv"], "Data file not found"),
+        "not utf-8": (["--data", tmp / "gbk.csv"], "is not UTF-8 (tried utf-8"),
+        "bad json line": (["--data", tmp / "bad.jsonl"], "line 2 is not valid JSON"),
+        "misspelled column": (
+            ["--data", good, "--text-column", "txt"],
+            "no text column 'txt'. Columns present",
+        ),
+        "empty text": (["--data", csv("blank.csv", blank)], "empty or non-text 'text' in 1 row(s)"),
+        "missing label": (["--data", csv("unlabelled.csv", unlabelled)], "missing label in 1 row(s)"),
+        "label unseen in train": (["--data", good, "--test", csv("neutral.csv", neutral)], "['neutral']"),
+        "one class": (["--data", csv("one.csv", frame.assign(label="x"))], "only one class"),
+        "rare class": (
+            [
+                "--data",
+                csv(
+                    "rare.csv", pd.concat([frame, pd.DataFrame({"text": ["a rare one"], "label": ["rare"]})])
+                ),
+            ],
+            "Cannot make the test split",
+        ),
+        "duplicates": (
+            ["--data", csv("dup.csv", pd.concat([frame, frame.head(3)])), "--dedup", "error"],
+            "3 repeated texts",
+        ),
+        "leakage": (
+            ["--data", good, "--test", csv("leak.csv", frame.head(10)), "--dedup", "error"],
+            "Leakage between splits",
+        ),
+        "malformed yaml": (["--config", tmp / "bad.yaml"], "is not valid YAML"),
+        "unknown key": (["--data", good, "lora_rank=4"], "Did you mean 'lora_r'"),
+        "negative lr": (["--data", good, "--lr", "-1"], "lr = -1.0"),
+        "rank zero": (["--data", good, "--lora-r", "0"], "lora_r = 0"),
+        "dropout one": (["--data", good, "--lora-dropout", "1"], "lora_dropout = 1.0"),
+        "bad dedup": (["--data", good, "--dedup", "sometimes"], "dedup = 'sometimes'"),
+    }
+
+
+BAD_CASES = [
+    *("missing file", "not utf-8", "bad json line", "misspelled column", "empty text", "missing label"),
+    *("label unseen in train", "one class", "rare class", "duplicates", "leakage", "malformed yaml"),
+    *("unknown key", "negative lr", "rank zero", "dropout one", "bad dedup"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_each_bad_input_exits_2_with_its_message(case, tmp_path, toy_csv):
+    args, phrase = bad_inputs(tmp_path, toy_csv)[case]
+    out = tmp_path / "run"
+    # a model that does not exist: refusing anything later than the data checks fails this test at once
+    result = invoke("train", *args, "--out", out, "--model", tmp_path / "never-loaded")
+    assert result.exit_code == 2, result.output
+    assert phrase in " ".join(result.output.split()) and "Traceback" not in result.output
+    assert not out.exists()  # refused before a run folder or a model
