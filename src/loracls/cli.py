@@ -433,6 +433,32 @@ def export(
     console.print(f"{kind} written to {folder}", soft_wrap=True)
 
 
+@app.command()
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="One or more run folders")],
+    out: Annotated[Path, typer.Option(help="Comparison page, written when several runs are given")] = Path(
+        "compare.html"
+    ),
+    allow_unfinished: Annotated[bool, UNFINISHED] = False,
+) -> None:
+    """Rebuild RUN/report.html (and RUN/plots/) for each run; for several runs, also a comparison page."""
+    from loracls.report import build_report, compare_runs
+    from loracls.runs import RunFolder
+
+    try:
+        for run_dir in run_dirs:
+            RunFolder(run_dir).check_finished(allow_unfinished)
+        for run_dir in run_dirs:
+            console.print(f"report: {build_report(run_dir)}", soft_wrap=True)
+        if len(run_dirs) > 1:
+            finished = [r for r in run_dirs if RunFolder(r).status() == "finished"]
+            console.print(
+                f"comparison of {len(finished)} runs: {compare_runs(finished, out)}", soft_wrap=True
+            )
+    except LoraclsError as e:
+        fail(e)
+
+
 def per_class_table(metrics: dict) -> Table:
     table = Table("class", "precision", "recall", "F1", "support")
     for name, row in metrics["per_class"].items():

@@ -86,9 +86,7 @@ class RunFolder:
         if log.is_file():
             lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
             kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-            tmp = log.with_name(log.name + ".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            os.replace(tmp, log)
+            write_text(log, "".join(kept))
 
     def read_splits(self) -> Splits:
         """The train/val/test tables and labels a run was started with."""
@@ -125,11 +123,15 @@ class RunFolder:
             raise LoraclsError(f"{self.path} (status: {state}) has no best checkpoint yet: no validation ran")
 
 
-def write_json(path: Path, value: Any) -> None:
+def write_text(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    write_text(path, json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_jsonl(path: Path, table: pd.DataFrame) -> None:

@@ -31,6 +31,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
+from loracls.report import build_report
 from loracls.runs import RunFolder, environment, write_jsonl
 from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
 
@@ -513,4 +514,5 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         },
     }
     run.write_json("metrics.json", metrics)
+    console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     return metrics

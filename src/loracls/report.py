@@ -1,0 +1,348 @@
+"""`RUN/report.html`: one self-contained page (images embedded, no JavaScript, no network) of what a run did,
+with its plots also written as PNG files to `RUN/plots/`; and a page comparing several runs."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+from loracls.runs import RunFolder, write_text  # noqa: E402
+
+STYLE = """
+body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f2f2f2; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.text { max-width: 620px; overflow-wrap: anywhere; }
+img { max-width: 100%; }
+.note { color: #666; }
+"""
+MAX_ROWS = 25
+"""Examples listed per table of mistakes or flips."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def png(figure: plt.Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def img(data: bytes, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(data).decode()}">'
+
+
+def table(header: list[str], rows: list[list], numeric: set[int] = frozenset()) -> str:
+    """An HTML table of escaped cells; columns in `numeric` are right-aligned."""
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="{kind(i, c, numeric)}">{cell(c)}</td>' for i, c in enumerate(row))
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def kind(column: int, value, numeric: set[int]) -> str:
+    if column in numeric:
+        return "num"
+    return "text" if isinstance(value, str) and len(value) > 40 else ""
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return html.escape(str(value))
+
+
+def curves_plot(log: list[dict], best_step: int | None) -> bytes:
+    """Training loss, learning rate and validation accuracy/macro-F1 over optimizer steps."""
+    train = [r for r in log if r["kind"] == "train"]
+    evals = [r for r in log if r["kind"] == "eval"]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], marker=".")
+    axes[0].set(title="training loss", xlabel="optimizer step")
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:orange")
+    axes[1].set(title="learning rate", xlabel="optimizer step")
+    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    for key, name in (("val_accuracy", "accuracy"), ("val_macro_f1", "macro-F1")):
+        axes[2].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=name)
+    if best_step:
+        axes[2].axvline(best_step, color="grey", linestyle=":", label=f"best (step {best_step})")
+    axes[2].set(title="validation", xlabel="optimizer step")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    return png(figure)
+
+
+def confusion_plot(matrix: list[list[int]], labels: list[str]) -> bytes:
+    """Counts, coloured by the share of each gold class (rows sum to 1)."""
+    counts = np.asarray(matrix)
+    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    size = 1.2 + 0.7 * len(labels)
+    figure, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    for (i, j), n in np.ndenumerate(counts):
+        ax.text(j, i, str(n), ha="center", va="center", color="white" if shares[i, j] > 0.5 else "black")
+    ax.set(
+        xticks=range(len(labels)),
+        yticks=range(len(labels)),
+        xlabel="predicted",
+        ylabel="gold",
+        title="test confusion matrix",
+    )
+    ax.set_xticklabels(labels, rotation=45, ha="right")
+    ax.set_yticklabels(labels)
+    figure.colorbar(image, ax=ax, fraction=0.046, label="share of gold class")
+    return png(figure)
+
+
+def per_class_plot(per_class: dict) -> bytes:
+    labels = list(per_class)
+    x = np.arange(len(labels))
+    figure, ax = plt.subplots(figsize=(2 + 1.1 * len(labels), 3.2))
+    for k, key in enumerate(("precision", "recall", "f1-score")):
+        ax.bar(x + (k - 1) * 0.27, [per_class[name][key] for name in labels], width=0.27, label=key)
+    ax.set(xticks=x, ylim=(0, 1), title="test precision / recall / F1 per class")
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return png(figure)
+
+
+def mistakes(predictions: list[dict]) -> list[dict]:
+    """Wrong predictions, the most confident first."""
+    wrong = [p for p in predictions if "gold" in p and p["predicted"] != p["gold"]]
+    return sorted(wrong, key=lambda p: -p["probabilities"][p["predicted"]])
+
+
+def flips(run: RunFolder) -> tuple[list[list], list[list]]:
+    """Per pair of consecutive validations: changed, wrong->right, right->wrong; and the examples whose
+    prediction differs between the first validation and the best one."""
+    files = sorted((run.path / "val_predictions").glob("step_*.jsonl"))
+    steps = [(int(f.stem[5:]), {r["id"]: r for r in read_jsonl(f)}) for f in files]
+    pairs = []
+    for (a, before), (b, after) in zip(steps, steps[1:], strict=False):
+        common = before.keys() & after.keys()
+        changed = [i for i in common if before[i]["predicted"] != after[i]["predicted"]]
+        fixed = sum(after[i]["predicted"] == after[i]["gold"] for i in changed)
+        broken = sum(before[i]["predicted"] == before[i]["gold"] for i in changed)
+        pairs.append([f"{a} -> {b}", len(changed), fixed, broken])
+    examples = []
+    metrics_file = run.file("metrics.json")
+    best = (
+        json.loads(metrics_file.read_text(encoding="utf-8"))["best_val"]["step"]
+        if metrics_file.is_file()
+        else None
+    )
+    by_step = dict(steps)
+    if steps and best in by_step and best != steps[0][0]:
+        first_step, first = steps[0]
+        for i, record in by_step[best].items():
+            if i in first and first[i]["predicted"] != record["predicted"]:
+                examples.append([record["text"], record["gold"], first[i]["predicted"], record["predicted"]])
+        examples.sort(key=lambda row: row[3] != row[1])  # fixed ones first
+    return pairs, examples
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write `RUN/report.html` and `RUN/plots/*.png` from what the run folder holds; return the page."""
+    run = RunFolder(Path(run_dir))
+    config = yaml.safe_load(run.file("config.yaml").read_text(encoding="utf-8"))
+    env = (
+        json.loads(run.file("env.json").read_text(encoding="utf-8")) if run.file("env.json").is_file() else {}
+    )
+    metrics = (
+        json.loads(run.file("metrics.json").read_text(encoding="utf-8"))
+        if run.file("metrics.json").is_file()
+        else {}
+    )
+    log = read_jsonl(run.file("train_log.jsonl"))
+    labels = run.read_labels()
+    best_step = metrics.get("best_val", {}).get("step")
+    plots: dict[str, bytes] = {}
+    if log:
+        plots["curves"] = curves_plot(log, best_step)
+    test = metrics.get("test")
+    if test:
+        plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
+        plots["per_class"] = per_class_plot(test["per_class"])
+    (run.path / "plots").mkdir(exist_ok=True)
+    for name, data in plots.items():
+        (run.path / "plots" / f"{name}.png").write_bytes(data)
+
+    status = run.status()
+    parts = [f"<h1>loracls run {html.escape(run.path.name)}</h1>"]
+    if status != "finished":
+        parts.append(f'<p class="note">This run did not finish (status: {html.escape(str(status))}).</p>')
+    if test:
+        parts.append(
+            f"<p><b>test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}</b> on {test['n']} "
+            f"examples; best validation step {best_step}.</p>"
+        )
+
+    parts.append('<h2 id="config">Configuration and environment</h2>')
+    parts.append(table(["key", "value"], [[k, v] for k, v in config.items()]))
+    keys = (
+        "backend",
+        "name",
+        "device",
+        "mixed_precision",
+        "torch",
+        "torch_hip",
+        "torch_cuda",
+        "transformers",
+        "peft",
+        "accelerate",
+        "python",
+        "platform",
+    )
+    parts.append(table(["environment", "value"], [[k, env[k]] for k in keys if env.get(k) is not None]))
+
+    parts.append('<h2 id="curves">Training curves</h2>')
+    parts.append(img(plots["curves"], "training curves") if "curves" in plots else "<p>No training log.</p>")
+
+    parts.append('<h2 id="baseline">Prompt baseline vs fine-tuned</h2>')
+    baseline = metrics.get("baseline")
+    if baseline and test:
+        rows = [
+            [name, baseline[key], test[key], test[key] - baseline[key]]
+            for name, key in (("accuracy", "accuracy"), ("macro-F1", "macro_f1"))
+        ]
+        parts.append(
+            table(
+                [
+                    "test metric",
+                    f"baseline ({baseline['shots']}-shot, {baseline['headline']})",
+                    "fine-tuned",
+                    "gain",
+                ],
+                rows,
+                {1, 2, 3},
+            )
+        )
+    else:
+        parts.append('<p class="note">No baseline in this run (--no-baseline).</p>')
+
+    parts.append('<h2 id="per-class">Per-class precision, recall and F1 (test)</h2>')
+    if test:
+        rows = [
+            [name, r["precision"], r["recall"], r["f1-score"], int(r["support"])]
+            for name, r in test["per_class"].items()
+        ]
+        rows += [
+            ["macro avg", "", "", test["macro_f1"], test["n"]],
+            ["weighted avg", "", "", test["weighted_f1"], test["n"]],
+        ]
+        parts.append(table(["class", "precision", "recall", "F1", "support"], rows, {1, 2, 3, 4}))
+        parts.append(img(plots["per_class"], "per-class metrics"))
+        parts.append('<h2 id="confusion">Confusion matrix (test)</h2>')
+        parts.append(img(plots["confusion"], "confusion matrix"))
+
+    parts.append('<h2 id="mistakes">Most confident mistakes (test)</h2>')
+    wrong = mistakes(read_jsonl(run.file("test_predictions.jsonl")))
+    rows = [
+        [p["text"], p["gold"], p["predicted"], p["probabilities"][p["predicted"]]] for p in wrong[:MAX_ROWS]
+    ]
+    parts.append(
+        table(["text", "gold", "predicted", "confidence"], rows, {3}) if rows else "<p>No mistakes.</p>"
+    )
+
+    parts.append('<h2 id="flips">How validation predictions changed between checkpoints</h2>')
+    pairs, examples = flips(run)
+    parts.append(
+        table(["validations", "changed", "wrong to right", "right to wrong"], pairs, {1, 2, 3})
+        if pairs
+        else "<p>Only one validation.</p>"
+    )
+    if examples:
+        parts.append(
+            f"<p>{len(examples)} examples predicted differently at the first and the best validation:</p>"
+        )
+        parts.append(table(["text", "gold", "first", "best"], examples[:MAX_ROWS]))
+
+    out = run.file("report.html")
+    write_text(out, page(f"loracls {run.path.name}", parts))
+    return out
+
+
+def page(title: str, parts: list[str]) -> str:
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
+
+
+def run_summary(run_dir: str | Path) -> dict:
+    """One row of a comparison: the settings that vary in sweeps and the figures that decide between runs."""
+    run = RunFolder(Path(run_dir))
+    config = yaml.safe_load(run.file("config.yaml").read_text(encoding="utf-8"))
+    metrics = json.loads(run.file("metrics.json").read_text(encoding="utf-8"))
+    params = metrics["trainable_parameters"]
+    return {
+        "run": run.path.name,
+        **{key: config[key] for key in SUMMARY_KEYS},
+        "train_examples": metrics["data"]["train"],
+        "trainable_parameters": params["trainable"],
+        "lora_parameters": params["lora"],
+        f"best_val_{config['metric']}": metrics["best_val"][config["metric"]],
+        "best_val_step": metrics["best_val"]["step"],
+        "test_accuracy": metrics["test"]["accuracy"],
+        "test_macro_f1": metrics["test"]["macro_f1"],
+        "train_examples_per_s": metrics["train"]["examples_per_s"],
+        "wall_s": metrics["train"]["wall_s"],
+    }
+
+
+SUMMARY_KEYS = ("model", "data", "target_modules", "lora_r", "lora_alpha", "lr", "epochs", "max_length")
+"""Config keys shown for every run in a comparison."""
+
+
+def compare_runs(run_dirs: list[Path], out: Path) -> Path:
+    """A page with one row per finished run and their validation curves on one plot."""
+    rows = [run_summary(r) for r in run_dirs]
+    figure, ax = plt.subplots(figsize=(8, 4))
+    for run_dir in run_dirs:
+        evals = [r for r in read_jsonl(Path(run_dir) / "train_log.jsonl") if r["kind"] == "eval"]
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["val_macro_f1"] for r in evals],
+            marker="o",
+            label=Path(run_dir).name,
+        )
+    ax.set(title="validation macro-F1", xlabel="optimizer step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    curves = png(figure)
+    header = list(rows[0])
+    numeric = {i for i, key in enumerate(header) if isinstance(rows[0][key], int | float)}
+    parts = [
+        f"<h1>loracls: {len(rows)} runs compared</h1>",
+        '<h2 id="runs">Runs</h2>',
+        table(header, [[row.get(k, "") for k in header] for row in rows], numeric),
+        '<h2 id="curves">Validation curves</h2>',
+        img(curves, "validation curves"),
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text(out, page("loracls comparison", parts))
+    return out

@@ -1,0 +1,79 @@
+"""RUN/report.html: every section, images that are real PNGs, the mistakes and flips; the comparison page."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+
+import matplotlib.image
+
+from tests.conftest import invoke
+
+SECTIONS = ["config", "curves", "baseline", "per-class", "confusion", "mistakes", "flips"]
+
+
+def embedded_images(page: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def test_every_run_writes_a_self_contained_report(trained):
+    run, output = trained["gemma3"]
+    page = (run / "report.html").read_text()
+    assert "report: " in output
+    for section in SECTIONS:
+        assert f'id="{section}"' in page, section
+    assert "<script" not in page and "http://" not in page and "https://" not in page  # no JS, no network
+    images = embedded_images(page)
+    assert len(images) == 3  # curves, per-class bars, confusion matrix
+    for data in images:
+        pixels = matplotlib.image.imread(io.BytesIO(data), format="png")
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert sorted(p.name for p in (run / "plots").iterdir()) == [
+        "confusion.png",
+        "curves.png",
+        "per_class.png",
+    ]
+
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert f"test accuracy {metrics['test']['accuracy']:.4f}" in page
+    predictions = [json.loads(line) for line in (run / "test_predictions.jsonl").read_text().splitlines()]
+    wrong = [p for p in predictions if p["predicted"] != p["gold"]]
+    if wrong:
+        most = max(wrong, key=lambda p: p["probabilities"][p["predicted"]])
+        assert most["text"].replace("&", "&amp;") in page  # the most confident mistake is listed
+    evals = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in evals if r["kind"] == "eval"]
+    for a, b in zip(steps, steps[1:], strict=False):
+        assert f"{a} -&gt; {b}" in page  # one row per pair of consecutive validations
+
+
+def test_report_command_rebuilds_and_compares(trained, tmp_path):
+    runs = []
+    for family in ("gemma3", "llama"):
+        copy = tmp_path / family
+        shutil.copytree(trained[family][0], copy)
+        (copy / "report.html").unlink()
+        shutil.rmtree(copy / "plots")
+        runs.append(copy)
+    result = invoke("report", *runs, "--out", tmp_path / "compare.html")
+    assert result.exit_code == 0, result.output
+    assert all((run / "report.html").is_file() and (run / "plots/curves.png").is_file() for run in runs)
+    page = (tmp_path / "compare.html").read_text()
+    assert "2 runs compared" in page and all(f">{run.name}</td>" in page for run in runs)
+    for column in ("lora_r", "trainable_parameters", "test_macro_f1", "train_examples_per_s"):
+        assert f"<th>{column}</th>" in page
+    assert len(embedded_images(page)) == 1
+
+
+def test_report_refuses_an_unfinished_run_unless_told(trained, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(trained["gemma3"][0], copy)
+    (copy / "status.json").write_text(json.dumps({"state": "interrupted"}))
+    result = invoke("report", copy)
+    assert result.exit_code == 2 and "did not finish (status: interrupted)" in result.output
+    result = invoke("report", copy, "--allow-unfinished")
+    assert result.exit_code == 0
+    assert "did not finish (status: interrupted)" in (copy / "report.html").read_text()
