@@ -459,6 +459,36 @@ def report(
         fail(e)
 
 
+@app.command()
+def sweep(
+    config: Annotated[Path, typer.Option("--config", help="Sweep file: out, base, grid and/or runs")],
+    dry_run: Annotated[bool, typer.Option(help="List the runs without training")] = False,
+) -> None:
+    """One run per point of a grid over config keys; finished points are skipped, unfinished ones resume."""
+    from loracls.sweep import load_sweep, run_sweep
+
+    try:
+        out, points = load_sweep(config)
+        table = Table("run", *points[0].values, title=f"{len(points)} runs into {out}")
+        for point in points:
+            table.add_row(point.name, *(str(v) for v in point.values.values()))
+        console.print(table)
+        if dry_run:
+            return
+        out, results, failed = run_sweep(config)
+    except LoraclsError as e:
+        fail(e)
+    if not results.empty:
+        summary = Table(*results.columns, title=f"{out}/results.csv")
+        for row in results.itertuples(index=False):
+            summary.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row))
+        console.print(summary)
+    console.print(f"results, plots and compare.html in {out}", soft_wrap=True)
+    if failed:
+        console.print(f"[bold red]{len(failed)} run(s) failed:[/] {', '.join(failed)}")
+        raise typer.Exit(1)
+
+
 def per_class_table(metrics: dict) -> Table:
     table = Table("class", "precision", "recall", "F1", "support")
     for name, row in metrics["per_class"].items():

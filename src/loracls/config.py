@@ -43,6 +43,9 @@ class TrainConfig:
     remove from train what val/test hold), `keep` (report only) or `error` (refuse)."""
     max_train_examples: int | None = None
     """Keep at most this many training examples (a stratified sample), after the splits are made."""
+    train_fraction: float | None = None
+    """Keep this share of the training examples (a stratified sample), after the splits are made; with
+    `max_train_examples` as well, the smaller wins. Sweeps use it for learning curves."""
     max_eval_examples: int | None = None
     """Keep at most this many validation and test examples each (a stratified sample)."""
     max_length: int = 256
@@ -142,6 +145,7 @@ class TrainConfig:
             "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
             "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,
+            "train_fraction": self.train_fraction is None or 0 < self.train_fraction <= 1,
             "baseline_shots": self.baseline_shots >= 0,
             "save_every": self.save_every >= 1,
             "keep_checkpoints": self.keep_checkpoints >= 1,

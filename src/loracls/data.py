@@ -79,6 +79,9 @@ def load_splits(cfg: TrainConfig) -> Splits:
     if cfg.max_train_examples and len(train) > cfg.max_train_examples:
         train = stratified_sample(train, cfg.max_train_examples, cfg.seed)
         notes.append(f"sampled {len(train)} training examples (max_train_examples)")
+    if cfg.train_fraction and cfg.train_fraction < 1:
+        train = stratified_sample(train, max(len(labels), round(cfg.train_fraction * len(train))), cfg.seed)
+        notes.append(f"sampled {len(train)} training examples (train_fraction {cfg.train_fraction})")
     if cfg.max_eval_examples:
         val = stratified_sample(val, cfg.max_eval_examples, cfg.seed)
         test = stratified_sample(test, cfg.max_eval_examples, cfg.seed)
