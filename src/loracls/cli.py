@@ -113,7 +113,8 @@ def train(
             f"accuracy, {test['macro_f1'] - base['macro_f1']:+.4f} macro-F1"
         )
     console.print(per_class_table(test))
-    console.print(confusion_table(test))
+    if "confusion_matrix" in test:  # single-label; a multi-label run has one 2x2 matrix per label
+        console.print(confusion_table(test))
     console.print(f"run folder: {run.path}", soft_wrap=True)
 
 
@@ -187,7 +188,9 @@ def evaluate(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
-    from loracls.data import read_labelled
+    import numpy as np
+
+    from loracls.data import label_names, read_labelled, separator
     from loracls.evaluate import score, write_predictions_jsonl
     from loracls.predict import Classifier
     from loracls.runs import RunFolder, write_json
@@ -196,21 +199,22 @@ def evaluate(
         run = RunFolder(run_dir)
         run.check_finished(allow_unfinished)
         cfg = run.read_config()
-        table = (
-            run.read_split("test") if data is None else read_labelled(data, cfg.text_column, cfg.label_column)
-        )
+        if data is None:
+            table = run.read_split("test")
+        else:
+            table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
         classifier = Classifier.from_run(str(run_dir), allow_unfinished=allow_unfinished)
-        unknown = sorted(set(table["label"].astype(str)) - set(classifier.labels))
+        unknown = sorted(label_names(table["label"]) - set(classifier.labels))
         if unknown:
             raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
-        table["label"] = table["label"].astype(str)
         probs = classifier.predict_probs(list(table["text"]))
-        metrics = score(table, probs, classifier.labels)
+        thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
+        metrics = score(table, probs, classifier.labels, thresholds)
     except LoraclsError as e:
         fail(e)
     out = run.file("eval") / (Path(data).stem if data else "test")
     out.mkdir(parents=True, exist_ok=True)
-    write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels)
+    write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels, thresholds=thresholds)
     write_json(out / "metrics.json", metrics)
     console.print(
         f"[bold]accuracy {metrics['accuracy']:.4f}  macro-F1 {metrics['macro_f1']:.4f}[/] on {len(table)} "
@@ -254,7 +258,11 @@ def predict(
         return
     if output.suffix.lower() == ".csv":
         rows = [
-            {"text": r["text"], "label": r["label"], **{f"p_{k}": v for k, v in r["probabilities"].items()}}
+            {
+                "text": r["text"],
+                "label": r["label"] if "label" in r else ",".join(r["labels"]),
+                **{f"p_{k}": v for k, v in r["probabilities"].items()},
+            }
             for r in records
         ]
         pd.DataFrame(rows).to_csv(output, index=False)

@@ -34,6 +34,14 @@ class TrainConfig:
     """Column holding the text to classify."""
     label_column: str = "label"
     """Column holding the label (a string or an integer)."""
+    multi_label: bool = False
+    """Each row may carry several labels (or none): a JSON list, or a string split at `label_separator`.
+    Sigmoid outputs, binary cross-entropy, and a decision threshold per label tuned on validation."""
+    label_separator: str = ","
+    """Separator between the labels of one row in a CSV/TSV label column (with `multi_label`)."""
+    class_weights: bool = False
+    """Weight the loss against class imbalance: inverse class frequency (single-label) or negatives/positives
+    per label (multi-label), from the training split."""
     val_fraction: float = 0.1
     """Share of `data` held out for validation when no `val` file is given."""
     test_fraction: float = 0.1

@@ -34,7 +34,10 @@ READERS = {".csv": "csv", ".tsv": "csv", ".jsonl": "json", ".json": "json", ".pa
 
 @dataclass
 class Splits:
-    """Train/validation/test tables with columns `id`, `text`, `label` (label as a string)."""
+    """Train/validation/test tables with columns `id`, `text`, `label`.
+
+    A label is a string; in a multi-label task, a sorted tuple of strings (possibly empty).
+    """
 
     train: pd.DataFrame
     val: pd.DataFrame
@@ -56,7 +59,7 @@ def load_splits(cfg: TrainConfig) -> Splits:
     def read(source: str | None) -> pd.DataFrame | None:
         if not source:
             return None
-        table = read_labelled(source, cfg.text_column, cfg.label_column)
+        table = read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg))
         return deduplicate(table, source, cfg.dedup, notes)
 
     table, val, test = read(cfg.data), read(cfg.val), read(cfg.test)
@@ -66,11 +69,11 @@ def load_splits(cfg: TrainConfig) -> Splits:
     if val is None:
         share = cfg.val_fraction / (1 - (0 if cfg.test else cfg.test_fraction))
         table, val = stratified_split(table, share, cfg.seed, what=f"validation split of {cfg.data}")
-    labels = sort_labels(table["label"].unique())
+    labels = sort_labels(label_names(table["label"]))
     if len(labels) < 2:
-        raise LoraclsError(f"{cfg.data}: training data has only one class ({labels[0]!r}); need at least 2.")
+        raise LoraclsError(f"{cfg.data}: training data has only one class ({labels!r}); need at least 2.")
     for name, split in (("validation", val), ("test", test)):
-        unseen = sorted(set(split["label"]) - set(labels))
+        unseen = sorted(label_names(split["label"]) - set(labels))
         if unseen:
             raise LoraclsError(
                 f"The {name} data has label(s) {unseen} that never occur in the training data {labels}."
@@ -82,6 +85,12 @@ def load_splits(cfg: TrainConfig) -> Splits:
     if cfg.train_fraction and cfg.train_fraction < 1:
         train = stratified_sample(train, max(len(labels), round(cfg.train_fraction * len(train))), cfg.seed)
         notes.append(f"sampled {len(train)} training examples (train_fraction {cfg.train_fraction})")
+    counts = label_counts(train["label"], labels)
+    if min(counts.values()) * 3 <= max(counts.values()):
+        notes.append(
+            f"class imbalance in train: {counts}; watch macro-F1 rather than accuracy, and consider "
+            "class_weights=true"
+        )
     if cfg.max_eval_examples:
         val = stratified_sample(val, cfg.max_eval_examples, cfg.seed)
         test = stratified_sample(test, cfg.max_eval_examples, cfg.seed)
@@ -90,12 +99,26 @@ def load_splits(cfg: TrainConfig) -> Splits:
     )
 
 
-def read_labelled(source: str, text_column: str, label_column: str) -> pd.DataFrame:
-    """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file."""
+def separator(cfg: TrainConfig) -> str | None:
+    """The label separator of a multi-label task; None for a single-label one."""
+    return cfg.label_separator if cfg.multi_label else None
+
+
+def read_labelled(
+    source: str, text_column: str, label_column: str, separator: str | None = None
+) -> pd.DataFrame:
+    """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file.
+
+    With `separator` (multi-label), each label becomes a sorted tuple of names: from a JSON list, or from a
+    string split at `separator`; an empty cell is an empty tuple (no label applies).
+    """
     if source in BUILTIN_DATASETS:
-        return read_builtin(source)
+        table = read_builtin(source)
+        if separator is not None:
+            table["label"] = [(label,) for label in table["label"]]
+        return table
     frame = read_table(Path(source))
-    return check_columns(frame, Path(source), text_column, label_column)
+    return check_columns(frame, Path(source), text_column, label_column, separator)
 
 
 def read_table(path: Path) -> pd.DataFrame:
@@ -163,7 +186,9 @@ def read_json_records(text: str, path: Path, lines: bool) -> pd.DataFrame:
     return pd.DataFrame.from_records(records)
 
 
-def check_columns(frame: pd.DataFrame, path: Path, text_column: str, label_column: str) -> pd.DataFrame:
+def check_columns(
+    frame: pd.DataFrame, path: Path, text_column: str, label_column: str, separator: str | None = None
+) -> pd.DataFrame:
     for role, column in (("text", text_column), ("label", label_column)):
         if column not in frame.columns:
             raise LoraclsError(
@@ -178,6 +203,10 @@ def check_columns(frame: pd.DataFrame, path: Path, text_column: str, label_colum
             f"{blank[:5]} (0-based, header excluded), e.g. {texts.iloc[blank[0]]!r}. Remove or fill them."
         )
     labels = frame[label_column]
+    ids = frame["id"].astype(str) if "id" in frame.columns else pd.Series(range(len(frame))).astype(str)
+    if separator is not None:
+        label_sets = [label_set(v, separator, path, i) for i, v in enumerate(labels)]
+        return pd.DataFrame({"id": ids.values, "text": texts.values, "label": label_sets})
     missing = [i for i, v in enumerate(labels) if v is None or (isinstance(v, float) and math.isnan(v))]
     if missing:
         raise LoraclsError(
@@ -189,10 +218,44 @@ def check_columns(frame: pd.DataFrame, path: Path, text_column: str, label_colum
             f"{path}: label at data row(s) {odd[:5]} is a {type(labels.iloc[odd[0]]).__name__} "
             f"({labels.iloc[odd[0]]!r}); a label is one string or number"
         )
-    ids = frame["id"].astype(str) if "id" in frame.columns else pd.Series(range(len(frame))).astype(str)
     return pd.DataFrame(
         {"id": ids.values, "text": texts.values, "label": frame[label_column].map(label_str).values}
     )
+
+
+def label_set(value: object, separator: str, path: Path, row: int) -> tuple[str, ...]:
+    """The labels of one multi-label row, as a sorted tuple of names."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ()
+    if isinstance(value, str):
+        items = value.split(separator)
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    elif isinstance(value, int | float | bool):
+        items = [value]
+    else:
+        raise LoraclsError(f"{path}: labels at data row {row} are a {type(value).__name__} ({value!r})")
+    if not all(isinstance(x, str | int | float | bool) for x in items):
+        raise LoraclsError(f"{path}: labels at data row {row} hold a non-label value: {value!r}")
+    return tuple(sorted({label_str(x) for x in items} - {""}))
+
+
+def is_multi_label(labels: pd.Series) -> bool:
+    return len(labels) > 0 and isinstance(labels.iloc[0], tuple)
+
+
+def label_names(labels: pd.Series) -> set[str]:
+    """Every label name that occurs in a label column."""
+    if is_multi_label(labels):
+        return {name for names in labels for name in names}
+    return set(labels)
+
+
+def label_counts(labels: pd.Series, names: list[str]) -> dict[str, int]:
+    """Rows per label name (a multi-label row counts for each of its labels)."""
+    flat = [name for names in labels for name in names] if is_multi_label(labels) else list(labels)
+    counts = pd.Series(flat, dtype=object).value_counts()
+    return {name: int(counts.get(name, 0)) for name in names}
 
 
 def label_str(value: object) -> str:
@@ -298,9 +361,15 @@ def drop_shared(
 def stratified_split(
     table: pd.DataFrame, share: float, seed: int, what: str
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Stratified by label; multi-label tables by label combination, or at random when combinations are too
+    rare to stratify."""
+    multi = is_multi_label(table["label"])
+    key = table["label"].map("\x1f".join) if multi else table["label"]
     try:
-        rest, held = train_test_split(table, test_size=share, stratify=table["label"], random_state=seed)
+        rest, held = train_test_split(table, test_size=share, stratify=key, random_state=seed)
     except ValueError as e:
+        if multi:
+            return tuple(train_test_split(table, test_size=share, random_state=seed))
         counts = table["label"].value_counts().to_dict()
         raise LoraclsError(
             f"Cannot make the {what}: {e}. Class counts: {counts}. "
@@ -319,9 +388,11 @@ def tokenize(
     table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_length: int, label2id: dict[str, int]
 ) -> Dataset:
     """A `datasets.Dataset` with `input_ids` and integer `labels`; padding happens per batch, later."""
-    dataset = Dataset.from_dict(
-        {"text": list(table["text"]), "labels": [label2id[x] for x in table["label"]]}
-    )
+    if is_multi_label(table["label"]):  # multi-hot float targets for binary cross-entropy
+        targets = [[float(name in names) for name in label2id] for names in table["label"]]
+    else:
+        targets = [label2id[x] for x in table["label"]]
+    dataset = Dataset.from_dict({"text": list(table["text"]), "labels": targets})
     return dataset.map(
         lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_length),
         batched=True,
@@ -404,20 +475,20 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
     """
     files = {"data": cfg.data, "val": cfg.val, "test": cfg.test}
     tables = {
-        role: read_labelled(source, cfg.text_column, cfg.label_column)
+        role: read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg))
         for role, source in files.items()
         if source
     }
     findings: list[str] = []
     report: dict = {"files": {role: files[role] for role in tables}, "splits": {}}
     for role, table in tables.items():
-        counts = table["label"].value_counts()
+        counts = label_counts(table["label"], sort_labels(label_names(table["label"])))
         repeated = int(table["text"].duplicated().sum())
         conflicting = int((table.groupby("text")["label"].nunique() > 1).sum())
         chars = table["text"].str.len()
         split = {
             "rows": len(table),
-            "labels": {label: int(counts[label]) for label in sort_labels(counts.index)},
+            "labels": counts,
             "duplicate_texts": repeated,
             "texts_with_conflicting_labels": conflicting,
             "chars": {q: int(chars.quantile(p)) for q, p in (("p50", 0.5), ("p95", 0.95), ("max", 1.0))},
@@ -437,7 +508,7 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
         if rare:
             findings.append(f"{role}: label(s) {rare} have under 2 examples: no stratified split possible")
         if len(counts) < 2:
-            findings.append(f"{role}: only one label ({counts.index[0]!r}); a classifier needs at least 2")
+            findings.append(f"{role}: only one label ({list(counts)}); a classifier needs at least 2")
         report["splits"][role] = split
     train_texts = set(tables["data"]["text"])
     for role in ("val", "test"):
@@ -446,7 +517,7 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
             report["splits"][role]["also_in_train"] = len(shared)
             if shared:
                 findings.append(f"{role}: {len(shared)} texts also occur in the training data (leakage)")
-            unseen = sorted(set(tables[role]["label"]) - set(tables["data"]["label"]))
+            unseen = sorted(label_names(tables[role]["label"]) - label_names(tables["data"]["label"]))
             if unseen:
                 findings.append(f"{role}: label(s) {unseen} never occur in the training data")
     report["findings"] = findings

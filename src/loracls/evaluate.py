@@ -10,7 +10,13 @@ import numpy as np
 import pandas as pd
 import torch
 from datasets import Dataset
-from sklearn.metrics import accuracy_score, classification_report, confusion_matrix, f1_score
+from sklearn.metrics import (
+    accuracy_score,
+    classification_report,
+    confusion_matrix,
+    f1_score,
+    multilabel_confusion_matrix,
+)
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
@@ -26,7 +32,10 @@ def predict_probs(
     device: torch.device | str | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> np.ndarray:
-    """Class probabilities, shape (examples, classes), in the dataset's order."""
+    """Class probabilities, shape (examples, classes), in the dataset's order.
+
+    Softmax over the classes; for a multi-label model (`problem_type`), a sigmoid per label.
+    """
     inputs = dataset.select_columns(["input_ids"])
     batches = LengthGroupedBatches([len(x) for x in inputs["input_ids"]], batch_size, shuffle=False).batches()
     loader = DataLoader(inputs, batch_sampler=batches, collate_fn=DataCollatorWithPadding(tokenizer))
@@ -34,10 +43,14 @@ def predict_probs(
     was_training = model.training
     model.eval()
     probs = np.zeros((len(dataset), model.config.num_labels), dtype=np.float32)
+    multi_label = model.config.problem_type == "multi_label_classification"
     with autocast or contextlib.nullcontext():  # entered once: accelerate's autocast() is single-use
         for indices, batch in zip(batches, loader, strict=True):
             logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-            probs[indices] = torch.softmax(logits.float(), dim=-1).cpu().numpy()
+            logits = logits.float()
+            probs[indices] = (
+                (torch.sigmoid(logits) if multi_label else torch.softmax(logits, -1)).cpu().numpy()
+            )
     model.train(was_training)
     return probs
 
@@ -59,15 +72,57 @@ def compute_metrics(gold: list[int], pred: list[int], labels: list[str]) -> dict
     }
 
 
+def compute_multilabel_metrics(gold: np.ndarray, pred: np.ndarray, labels: list[str]) -> dict:
+    """Subset accuracy (as `accuracy`), micro/macro/weighted F1, per-label precision/recall/F1 and 2x2
+    confusion matrices, from 0/1 indicator matrices of shape (examples, labels)."""
+    report = classification_report(gold, pred, target_names=labels, output_dict=True, zero_division=0)
+    return {
+        "accuracy": float(accuracy_score(gold, pred)),
+        "subset_accuracy": float(accuracy_score(gold, pred)),
+        **{
+            f"{average}_f1": float(f1_score(gold, pred, average=average, zero_division=0))
+            for average in ("micro", "macro", "weighted")
+        },
+        "per_class": {name: {k: float(v) for k, v in report[name].items()} for name in labels},
+        "label_confusion": {
+            name: m.tolist() for name, m in zip(labels, multilabel_confusion_matrix(gold, pred), strict=True)
+        },
+        "pred_distribution": {name: int(n) for name, n in zip(labels, pred.sum(axis=0), strict=True)},
+        "n": len(gold),
+    }
+
+
+def indicator(table: pd.DataFrame, labels: list[str]) -> np.ndarray:
+    """The multi-label gold labels as a 0/1 matrix (examples, labels)."""
+    return np.array([[name in names for name in labels] for names in table["label"]], dtype=int).reshape(
+        len(table), len(labels)
+    )
+
+
+def tune_thresholds(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> np.ndarray:
+    """Per label, the threshold in 0.05..0.95 with the best F1 on these (validation) examples; ties go to the
+    one nearest 0.5, and a label with no positive example keeps 0.5."""
+    gold = indicator(table, labels)
+    grid = np.round(np.arange(0.05, 0.951, 0.05), 2)
+    best = np.full(len(labels), 0.5)
+    for k in range(len(labels)):
+        if gold[:, k].any():
+            scores = [(f1_score(gold[:, k], probs[:, k] >= t, zero_division=0), -abs(t - 0.5)) for t in grid]
+            best[k] = grid[max(range(len(grid)), key=scores.__getitem__)]
+    return best
+
+
 def write_predictions_jsonl(
     path: Path,
     table: pd.DataFrame,
     probs: np.ndarray,
     labels: list[str],
     extra: dict[str, np.ndarray] | None = None,
+    thresholds: np.ndarray | None = None,
 ) -> None:
     """One JSON object per example: id, text, gold (when known), predicted label and every probability.
 
+    With `thresholds` (multi-label), `gold` and `predicted` are lists: every label at or above its threshold.
     `extra` adds further per-label score arrays under their own names (the baseline's log-probabilities).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,8 +131,13 @@ def write_predictions_jsonl(
         for i, (row, p) in enumerate(zip(table.itertuples(index=False), probs, strict=True)):
             record = {"id": str(row.id), "text": row.text}
             if "label" in table.columns:
-                record["gold"] = row.label
-            record["predicted"] = labels[int(p.argmax())]
+                record["gold"] = list(row.label) if thresholds is not None else row.label
+            if thresholds is not None:
+                record["predicted"] = [
+                    name for name, x, t in zip(labels, p, thresholds, strict=True) if x >= t
+                ]
+            else:
+                record["predicted"] = labels[int(p.argmax())]
             record["probabilities"] = {name: round(float(x), 6) for name, x in zip(labels, p, strict=True)}
             for key, values in (extra or {}).items():
                 record[key] = {name: round(float(x), 6) for name, x in zip(labels, values[i], strict=True)}
@@ -85,6 +145,11 @@ def write_predictions_jsonl(
     tmp.replace(path)
 
 
-def score(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> dict:
+def score(
+    table: pd.DataFrame, probs: np.ndarray, labels: list[str], thresholds: np.ndarray | None = None
+) -> dict:
+    """Metrics of `probs` against the table's labels; with `thresholds`, as a multi-label task."""
+    if thresholds is not None:
+        return compute_multilabel_metrics(indicator(table, labels), (probs >= thresholds).astype(int), labels)
     label2id = {name: i for i, name in enumerate(labels)}
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from loracls.errors import LoraclsError
 from loracls.model import from_pretrained
-from loracls.predict import EXPORT_INFO, Classifier
+from loracls.predict import EXPORT_INFO, Classifier, run_thresholds
 from loracls.runs import RunFolder, package_version, write_json
 
 
@@ -51,6 +51,7 @@ def export_run(
                 "base_model": cfg.model,
                 "run": str(run.path.resolve()),
                 "run_status": run.status(),
+                "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
                 "loracls": package_version("loracls"),
             },
         )

@@ -247,6 +247,7 @@ def load_classifier(
     trust_remote_code: bool = False,
     head_init: str = "zero",
     allow_pickle: bool = False,
+    multi_label: bool = False,
 ) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
 
@@ -259,6 +260,8 @@ def load_classifier(
     steps undoing that.
     """
     cls, config, key_mapping = classifier_config(path, labels, trust_remote_code)
+    if multi_label:  # sigmoid per label; saved in the config, so a plain transformers load knows
+        config.problem_type = "multi_label_classification"
     check_weight_files(path, allow_pickle)
     model, info = cls.from_pretrained(
         path,

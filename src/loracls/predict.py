@@ -32,10 +32,14 @@ def merge_adapter(
     labels: list[str],
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    multi_label: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer."""
     tokenizer = load_tokenizer(str(adapter))
-    base = load_classifier(resolve_model(base_model), labels, trust_remote_code, allow_pickle=allow_pickle)
+    path = resolve_model(base_model)
+    base = load_classifier(
+        path, labels, trust_remote_code, allow_pickle=allow_pickle, multi_label=multi_label
+    )
     base.config.pad_token_id = tokenizer.pad_token_id
     return PeftModel.from_pretrained(base, str(adapter)).merge_and_unload(), tokenizer
 
@@ -50,6 +54,8 @@ class Classifier:
     max_length: int
     batch_size: int = 32
     text_column: str = "text"
+    thresholds: list[float] | None = None
+    """Multi-label: a label is predicted when its probability reaches its threshold; None: single-label."""
 
     @classmethod
     def load(
@@ -70,7 +76,9 @@ class Classifier:
         run = RunFolder(run_dir)
         run.check_finished(allow_unfinished)
         cfg, labels = run.read_config(), run.read_labels()
-        model, tokenizer = merge_adapter(cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle)
+        model, tokenizer = merge_adapter(
+            cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle, cfg.multi_label
+        )
         return cls(
             model.to(device or default_device()).eval(),
             tokenizer,
@@ -78,6 +86,7 @@ class Classifier:
             cfg.max_length,
             cfg.batch_size * 2,
             cfg.text_column,
+            run_thresholds(run, labels) if cfg.multi_label else None,
         )
 
     @classmethod
@@ -87,7 +96,10 @@ class Classifier:
         if info["merged"]:
             model, tokenizer = from_pretrained(str(path), dtype=torch.float32), load_tokenizer(str(path))
         else:
-            model, tokenizer = merge_adapter(info["base_model"], path, info["labels"])
+            multi_label = info.get("thresholds") is not None
+            model, tokenizer = merge_adapter(
+                info["base_model"], path, info["labels"], multi_label=multi_label
+            )
         return cls(
             model.to(device or default_device()).eval(),
             tokenizer,
@@ -95,6 +107,7 @@ class Classifier:
             info["max_length"],
             info["batch_size"],
             info["text_column"],
+            info.get("thresholds"),
         )
 
     def predict_probs(self, texts: list[str]) -> np.ndarray:
@@ -103,12 +116,25 @@ class Classifier:
         return predict_probs(self.model, dataset, self.tokenizer, self.batch_size)
 
     def predict(self, texts: list[str]) -> list[dict]:
-        """One record per text: the predicted label and every label's probability."""
-        return [
-            {
-                "text": text,
-                "label": self.labels[int(p.argmax())],
-                "probabilities": {name: round(float(x), 6) for name, x in zip(self.labels, p, strict=True)},
+        """One record per text: the predicted `label` (multi-label: `labels`, every one at or above its
+        threshold) and every label's probability."""
+        records = []
+        for text, p in zip(texts, self.predict_probs(texts), strict=True):
+            record = {"text": text}
+            if self.thresholds is None:
+                record["label"] = self.labels[int(p.argmax())]
+            else:
+                pairs = zip(self.labels, p, self.thresholds, strict=True)
+                record["labels"] = [name for name, x, t in pairs if x >= t]
+            record["probabilities"] = {
+                name: round(float(x), 6) for name, x in zip(self.labels, p, strict=True)
             }
-            for text, p in zip(texts, self.predict_probs(texts), strict=True)
-        ]
+            records.append(record)
+        return records
+
+
+def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:
+    """A multi-label run's tuned thresholds; 0.5 (what its validation used) before they are tuned."""
+    tuned = run.file("thresholds.json")
+    found = json.loads(tuned.read_text(encoding="utf-8")) if tuned.is_file() else {}
+    return [found.get(name, 0.5) for name in labels]

@@ -131,9 +131,16 @@ def per_class_plot(per_class: dict) -> bytes:
 
 
 def mistakes(predictions: list[dict]) -> list[dict]:
-    """Wrong predictions, the most confident first."""
+    """Wrong predictions, the most confident first (multi-label: the most labels wrong first)."""
     wrong = [p for p in predictions if "gold" in p and p["predicted"] != p["gold"]]
-    return sorted(wrong, key=lambda p: -p["probabilities"][p["predicted"]])
+    return sorted(wrong, key=lambda p: -confidence(p))
+
+
+def confidence(prediction: dict) -> float:
+    """The predicted label's probability; for a multi-label prediction, the number of labels it got wrong."""
+    if isinstance(prediction["predicted"], list):
+        return float(len(set(prediction["predicted"]) ^ set(prediction["gold"])))
+    return prediction["probabilities"][prediction["predicted"]]
 
 
 def flips(run: RunFolder) -> tuple[list[list], list[list]]:
@@ -185,8 +192,9 @@ def build_report(run_dir: str | Path) -> Path:
         plots["curves"] = curves_plot(log, best_step)
     test = metrics.get("test")
     if test:
-        plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
         plots["per_class"] = per_class_plot(test["per_class"])
+    if test and "confusion_matrix" in test:
+        plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
     (run.path / "plots").mkdir(exist_ok=True)
     for name, data in plots.items():
         (run.path / "plots" / f"{name}.png").write_bytes(data)
@@ -250,23 +258,24 @@ def build_report(run_dir: str | Path) -> Path:
             [name, r["precision"], r["recall"], r["f1-score"], int(r["support"])]
             for name, r in test["per_class"].items()
         ]
-        rows += [
-            ["macro avg", "", "", test["macro_f1"], test["n"]],
-            ["weighted avg", "", "", test["weighted_f1"], test["n"]],
-        ]
+        averages = [k for k in ("micro", "macro", "weighted") if f"{k}_f1" in test]
+        rows += [[f"{k} avg", "", "", test[f"{k}_f1"], test["n"]] for k in averages]
         parts.append(table(["class", "precision", "recall", "F1", "support"], rows, {1, 2, 3, 4}))
         parts.append(img(plots["per_class"], "per-class metrics"))
         parts.append('<h2 id="confusion">Confusion matrix (test)</h2>')
-        parts.append(img(plots["confusion"], "confusion matrix"))
+        if "confusion" in plots:
+            parts.append(img(plots["confusion"], "confusion matrix"))
+        else:  # multi-label: one 2x2 matrix per label
+            rows = [[name, *m[0], *m[1]] for name, m in test["label_confusion"].items()]
+            header = ["label", "true negative", "false positive", "false negative", "true positive"]
+            parts.append(table(header, rows, {1, 2, 3, 4}))
 
     parts.append('<h2 id="mistakes">Most confident mistakes (test)</h2>')
     wrong = mistakes(read_jsonl(run.file("test_predictions.jsonl")))
-    rows = [
-        [p["text"], p["gold"], p["predicted"], p["probabilities"][p["predicted"]]] for p in wrong[:MAX_ROWS]
-    ]
-    parts.append(
-        table(["text", "gold", "predicted", "confidence"], rows, {3}) if rows else "<p>No mistakes.</p>"
-    )
+    rows = [[p["text"], p["gold"], p["predicted"], confidence(p)] for p in wrong[:MAX_ROWS]]
+    multi = bool(wrong) and isinstance(wrong[0]["predicted"], list)
+    header = ["text", "gold", "predicted", "labels wrong" if multi else "confidence"]
+    parts.append(table(header, rows, {3}) if rows else "<p>No mistakes.</p>")
 
     parts.append('<h2 id="flips">How validation predictions changed between checkpoints</h2>')
     pairs, examples = flips(run)

@@ -91,9 +91,7 @@ class RunFolder:
     def read_splits(self) -> Splits:
         """The train/val/test tables and labels a run was started with."""
         notes = json.loads((self.path / "data" / "notes.json").read_text(encoding="utf-8"))
-        tables = [
-            self.read_split(name).astype({"id": str, "label": str}) for name in ("train", "val", "test")
-        ]
+        tables = [self.read_split(name) for name in ("train", "val", "test")]
         return Splits(*tables, labels=self.read_labels(), notes=notes)
 
     def read_config(self) -> TrainConfig:
@@ -104,7 +102,11 @@ class RunFolder:
         return [id2label[str(i)] for i in range(len(id2label))]
 
     def read_split(self, name: str) -> pd.DataFrame:
-        return pd.read_json(self.path / "data" / f"{name}.jsonl", lines=True, dtype=False)
+        """A split as written: string labels, or tuples of them in a multi-label task."""
+        table = pd.read_json(self.path / "data" / f"{name}.jsonl", lines=True, dtype=False)
+        table["id"] = table["id"].astype(str)
+        table["label"] = [tuple(v) if isinstance(v, list) else str(v) for v in table["label"]]
+        return table
 
     def check_finished(self, allow_unfinished: bool = False) -> None:
         """Refuse a folder that is not a run, or a run that did not finish (unless `allow_unfinished`)."""

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 from accelerate import Accelerator
@@ -28,7 +29,7 @@ from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
 from loracls.doctor import check_before_training, collect_facts, diagnose
 from loracls.errors import LoraclsError
-from loracls.evaluate import predict_probs, score, write_predictions_jsonl
+from loracls.evaluate import predict_probs, score, tune_thresholds, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.report import build_report
@@ -102,6 +103,7 @@ def fit(
     steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
+    loss_fn = make_loss(cfg, train_set, model.config.num_labels).to(accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
@@ -142,11 +144,12 @@ def fit(
             for batch in batches:
                 state.batches_in_epoch += 1
                 with accelerator.accumulate(model):
-                    loss = model(**batch).loss
+                    labels = batch.pop("labels")
+                    loss = loss_fn(model(**batch).logits.float(), labels)
                     accelerator.backward(loss)
                     step_loss += float(loss.detach())
                     step_micro += 1
-                    state.window_examples += len(batch["labels"])
+                    state.window_examples += len(labels)
                     state.window_tokens += int(batch["attention_mask"].sum())
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -251,6 +254,21 @@ def fit(
     )
 
 
+def make_loss(cfg: TrainConfig, train_set: Dataset, num_labels: int) -> torch.nn.Module:
+    """Cross-entropy (single-label) or binary cross-entropy per label (multi-label), weighted against class
+    imbalance with `class_weights`: inverse class frequency, or negatives/positives per label."""
+    targets = torch.tensor(train_set["labels"])
+    if cfg.multi_label:
+        positives = targets.sum(dim=0)
+        weight = (
+            (len(targets) - positives).clamp(min=1) / positives.clamp(min=1) if cfg.class_weights else None
+        )
+        return torch.nn.BCEWithLogitsLoss(pos_weight=weight)
+    counts = torch.bincount(targets, minlength=num_labels).float()
+    weight = counts.sum() / (num_labels * counts.clamp(min=1)) if cfg.class_weights else None
+    return torch.nn.CrossEntropyLoss(weight=weight)
+
+
 def skip_nonfinite_step(
     state: checkpoints.TrainerState, cfg: TrainConfig, run: RunFolder, loss: float, grad_norm: float
 ) -> None:
@@ -350,10 +368,11 @@ def validate(
     probs = predict_probs(
         model, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
     )
-    write_predictions_jsonl(
-        run.file(f"val_predictions/step_{step:06d}.jsonl"), splits.val, probs, splits.labels
-    )
-    return score(splits.val, probs, splits.labels)
+    # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
+    thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
+    path = run.file(f"val_predictions/step_{step:06d}.jsonl")
+    write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
+    return score(splits.val, probs, splits.labels, thresholds)
 
 
 def save_best(model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder) -> None:
@@ -457,7 +476,9 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     baseline = None
-    if cfg.baseline and resume is not None and run.file("baseline_metrics.json").is_file():
+    if cfg.baseline and cfg.multi_label:
+        console.print("[dim]baseline: the prompt baseline scores single-label tasks only; skipped[/]")
+    elif cfg.baseline and resume is not None and run.file("baseline_metrics.json").is_file():
         baseline = json.loads(run.file("baseline_metrics.json").read_text(encoding="utf-8"))
     elif cfg.baseline:
         baseline = baseline_for_run(
@@ -465,7 +486,9 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         )
         console.print(baseline_line(baseline))
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
-    model = load_classifier(model_path, splits.labels, cfg.trust_remote_code, cfg.head_init, cfg.allow_pickle)
+    model = load_classifier(
+        model_path, splits.labels, cfg.trust_remote_code, cfg.head_init, cfg.allow_pickle, cfg.multi_label
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
 
@@ -489,12 +512,21 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     model = accelerator.unwrap_model(model)
     set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
     merged = model.merge_and_unload()
+    thresholds = None
+    if cfg.multi_label:
+        val_probs = predict_probs(
+            merged, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
+        )
+        thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
+        run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
     probs = predict_probs(
         merged, test_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
     )
-    write_predictions_jsonl(run.file("test_predictions.jsonl"), splits.test, probs, splits.labels)
+    write_predictions_jsonl(
+        run.file("test_predictions.jsonl"), splits.test, probs, splits.labels, thresholds=thresholds
+    )
     metrics = {
-        "test": score(splits.test, probs, splits.labels),
+        "test": score(splits.test, probs, splits.labels, thresholds),
         "baseline": baseline_summary(baseline),
         "best_val": {"step": result.best_step, **result.best_val},
         "train": result.throughput,
