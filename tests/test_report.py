@@ -9,8 +9,9 @@ import re
 import shutil
 
 import matplotlib.image
+import pytest
 
-from tests.conftest import invoke
+from tests.conftest import FAST, invoke
 
 SECTIONS = ["config", "curves", "baseline", "per-class", "confusion", "mistakes", "flips"]
 
@@ -77,3 +78,35 @@ def test_report_refuses_an_unfinished_run_unless_told(trained, tmp_path):
     result = invoke("report", copy, "--allow-unfinished")
     assert result.exit_code == 0
     assert "did not finish (status: interrupted)" in (copy / "report.html").read_text()
+
+
+def test_tensorboard_tracking_gets_the_logged_curves(tiny_models, toy_csv, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    args = ["--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--no-baseline"]
+    result = invoke("train", *args, "--track", "tensorboard", *FAST)
+    assert result.exit_code == 0, result.output
+    events = EventAccumulator(str(next((out / "tracking").iterdir())))
+    events.Reload()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    train = [r for r in log if r["kind"] == "train"]
+    scalars = events.Scalars("loss")
+    assert [e.step for e in scalars] == [r["step"] for r in train]
+    assert [e.value for e in scalars] == pytest.approx([r["loss"] for r in train], rel=1e-6)  # float32
+    evals = [r["step"] for r in log if r["kind"] == "eval"]
+    assert [e.step for e in events.Scalars("val_macro_f1")] == evals
+    assert "test_accuracy" in events.Tags()["scalars"]
+
+
+def test_tracking_without_its_package_is_refused_clearly(monkeypatch, tiny_models, toy_csv, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a)
+    )
+    args = ["--model", tiny_models["llama"], "--data", toy_csv, "--out", tmp_path / "run", "--no-baseline"]
+    result = invoke("train", *args, "--track", "mlflow", *FAST)
+    assert result.exit_code == 2 and "--track mlflow needs the package: pip install mlflow" in result.output
+    assert not (tmp_path / "run").exists()  # refused before the run started

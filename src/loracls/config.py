@@ -122,6 +122,9 @@ class TrainConfig:
     """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
     smoke_test: bool = True
     """On a GPU, run `loracls doctor`'s child-process smoke test before loading the model."""
+    track: str | None = None
+    """Also log the curves through accelerate's trackers: `tensorboard` (into RUN/tracking) or `mlflow`
+    (the store in MLFLOW_TRACKING_URI; default a local `./mlruns`, no server needed)."""
     seed: int = 42
     """Seed for the splits, the data order, LoRA initialisation and dropout."""
     out: str | None = None
@@ -159,6 +162,7 @@ class TrainConfig:
             "keep_checkpoints": self.keep_checkpoints >= 1,
             "skip_nonfinite": self.skip_nonfinite >= 0,
             "dedup": self.dedup in ("drop", "keep", "error"),
+            "track": self.track in (None, "tensorboard", "mlflow"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

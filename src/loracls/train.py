@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -184,6 +185,7 @@ def fit(
                         accelerator,
                     )
                     run.append_log(record)
+                    accelerator.log(scalars(record), step=state.step)
                     progress.update(task, description=f"loss {record['loss']:.4f}")
                     progress.console.print(
                         f"step {state.step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
@@ -205,15 +207,15 @@ def fit(
                         accelerator,
                     )
                     improved = state.best_val is None or val[cfg.metric] > state.best_val[cfg.metric]
-                    run.append_log(
-                        {
-                            "kind": "eval",
-                            "step": state.step,
-                            "val_accuracy": val["accuracy"],
-                            "val_macro_f1": val["macro_f1"],
-                            "best": improved,
-                        }
-                    )
+                    record = {
+                        "kind": "eval",
+                        "step": state.step,
+                        "val_accuracy": val["accuracy"],
+                        "val_macro_f1": val["macro_f1"],
+                        "best": improved,
+                    }
+                    run.append_log(record)
+                    accelerator.log(scalars(record), step=state.step)
                     progress.console.print(
                         f"step {state.step:>5} | [bold]val accuracy {val['accuracy']:.4f} "
                         f"macro-F1 {val['macro_f1']:.4f}[/]" + ("  (best)" if improved else "")
@@ -252,6 +254,32 @@ def fit(
         state.train_s,
         time.perf_counter() - start,
     )
+
+
+def check_tracker(cfg: TrainConfig) -> None:
+    if cfg.track is not None and importlib.util.find_spec(cfg.track) is None:
+        raise LoraclsError(f"--track {cfg.track} needs the package: pip install {cfg.track}")
+
+
+def start_tracking(accelerator: Accelerator, cfg: TrainConfig, run: RunFolder) -> None:
+    """With `track`, start accelerate's tracker (TensorBoard or MLflow) with the run's config."""
+    if cfg.track is None:
+        return
+    config = {k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in cfg.to_dict().items()}
+    accelerator.init_trackers(
+        "loracls" if cfg.track == "mlflow" else run.path.name,
+        config=config,
+        init_kwargs={"mlflow": {"run_name": run.path.name}},
+    )
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a `train_log.jsonl` record, for the trackers."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def make_loss(cfg: TrainConfig, train_set: Dataset, num_labels: int) -> torch.nn.Module:
@@ -400,6 +428,7 @@ def restore_best(run: RunFolder, tokenizer: PreTrainedTokenizerBase, state: chec
 
 def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
     """The whole job; returns the run folder and the metrics written to `RUN/metrics.json`."""
+    check_tracker(cfg)
     splits = load_splits(cfg)
     for note in splits.notes:
         console.print(f"[dim]data: {note}[/]")
@@ -429,6 +458,7 @@ def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
             f"{run.path} (status: {state}) has no complete checkpoint to resume from; start the run again"
         )
     cfg = run.read_config()
+    check_tracker(cfg)
     splits = run.read_splits()
     step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
     run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
@@ -454,8 +484,12 @@ def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | Non
 def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
     """Model, LoRA, `fit()` and the test report, written into an open run folder."""
     accelerator = Accelerator(
-        mixed_precision=mixed_precision(cfg.precision), gradient_accumulation_steps=cfg.grad_accum
+        mixed_precision=mixed_precision(cfg.precision),
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with=cfg.track,
+        project_dir=str(run.file("tracking")),
     )
+    start_tracking(accelerator, cfg, run)
     facts = collect_facts()
     env = {
         **environment(accelerator.device),
@@ -546,5 +580,8 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         },
     }
     run.write_json("metrics.json", metrics)
+    test = metrics["test"]
+    accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
+    accelerator.end_training()
     console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     return metrics
