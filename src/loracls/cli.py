@@ -286,6 +286,10 @@ def data_inspect(
     label_column: Annotated[str, typer.Option(help="Label column")] = TrainConfig.label_column,
     model: Annotated[str | None, typer.Option(help="Count tokens with this model's tokenizer")] = None,
     max_length: Annotated[int, typer.Option(help="Token limit to check against")] = TrainConfig.max_length,
+    multi_label: Annotated[bool, typer.Option(help="Several labels per row")] = False,
+    label_separator: Annotated[
+        str, typer.Option(help="Between a row's labels (CSV)")
+    ] = TrainConfig.label_separator,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
@@ -299,6 +303,8 @@ def data_inspect(
             text_column=text_column,
             label_column=label_column,
             max_length=max_length,
+            multi_label=multi_label,
+            label_separator=label_separator,
         )
         tokenizer = None
         if model:
