@@ -38,12 +38,17 @@ def start(model: Path, data: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_checkpoint(child: subprocess.Popen, out: Path, step: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
+def stop_mid_run(model: Path, data: Path, out: Path, step: int, signal_number: int) -> subprocess.Popen:
+    """Start training in a child process and send it `signal_number` once a checkpoint of `step` or later
+    exists; returns the child (not waited for)."""
+    child = start(model, data, out)
+    deadline = time.monotonic() + 180
     while not any(int(p.name[5:]) >= step for p in checkpoints.complete(out)):
         assert child.poll() is None, child.communicate()
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.01)
+    child.send_signal(signal_number)
+    return child
 
 
 def outputs(run: Path) -> dict[str, str]:
@@ -90,10 +95,7 @@ def test_checkpoints_keep_the_last_and_the_best(reference):
 def test_killed_run_resumes_to_identical_results(reference, tiny_models, tmp_path):
     run, data = reference
     out = tmp_path / "killed"
-    child = start(tiny_models["llama"], data, out)
-    wait_for_checkpoint(child, out, step=9)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    stop_mid_run(tiny_models["llama"], data, out, 9, signal.SIGKILL).wait()
     assert json.loads((out / "status.json").read_text())["state"] == "running"  # never marked finished
     assert not (out / "metrics.json").exists()
     for command in (["eval", out], ["export", out, "--out", tmp_path / "export"]):
@@ -113,9 +115,7 @@ def test_killed_run_resumes_to_identical_results(reference, tiny_models, tmp_pat
 def test_sigint_checkpoints_the_current_step_and_exits_130(reference, tiny_models, tmp_path):
     run, data = reference
     out = tmp_path / "interrupted"
-    child = start(tiny_models["llama"], data, out)
-    wait_for_checkpoint(child, out, step=6)
-    child.send_signal(signal.SIGINT)
+    child = stop_mid_run(tiny_models["llama"], data, out, 6, signal.SIGINT)
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == 130, stderr
     assert "Traceback" not in stderr and f"loracls train --resume {out}" in " ".join(stderr.split())
