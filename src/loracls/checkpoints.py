@@ -65,11 +65,13 @@ def register_adapter_hooks(accelerator: Accelerator) -> None:
     """Make `save_state`/`load_state` store the PEFT adapter (LoRA + head), not the frozen base weights."""
 
     def save(models, weights, output_dir) -> None:
-        models[0].save_pretrained(Path(output_dir) / ADAPTER)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(models[0]).save_pretrained(Path(output_dir) / ADAPTER)
         weights.clear()
 
     def load(models, input_dir) -> None:
-        set_peft_model_state_dict(models[0], load_peft_weights(str(Path(input_dir) / ADAPTER)))
+        adapter = load_peft_weights(str(Path(input_dir) / ADAPTER))
+        set_peft_model_state_dict(accelerator.unwrap_model(models[0]), adapter)
         models.clear()
 
     accelerator.register_save_state_pre_hook(save)
@@ -97,15 +99,24 @@ def latest(run_path: Path) -> Path | None:
 
 
 def save(accelerator: Accelerator, state: TrainerState, run_path: Path, keep: int) -> Path:
-    """Write a checkpoint of `state.step` atomically, then keep only the last `keep` and the best."""
+    """Write a checkpoint of `state.step` atomically, then keep only the last `keep` and the best.
+
+    Every process calls this (each saves its own RNG state); the main one writes the rest and renames.
+    """
+    main = accelerator.is_main_process
     final = step_folder(run_path, state.step)
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
     try:
         accelerator.save_state(str(tmp))
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        accelerator.wait_for_everyone()
+        if main:
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n", encoding="utf-8")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        accelerator.wait_for_everyone()
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest(run_path)
@@ -114,7 +125,7 @@ def save(accelerator: Accelerator, state: TrainerState, run_path: Path, keep: in
             f"The previous checkpoint is intact: {previous or 'none yet'}. Free space, then "
             f"`loracls train --resume {run_path}`."
         ) from None
-    for old in complete(run_path)[:-keep]:
+    for old in complete(run_path)[:-keep] if main else []:
         if old.name != step_folder(run_path, state.best_step).name:
             shutil.rmtree(old, ignore_errors=True)
     return final

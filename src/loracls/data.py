@@ -411,10 +411,13 @@ class LengthGroupedBatches(Sampler[list[int]]):
     Training (`shuffle=True`): shuffle, cut into mega-batches of 50 batches, sort each by length, cut into
     batches, shuffle the batches (the scheme of transformers' `LengthGroupedSampler`). Evaluation
     (`shuffle=False`): sort everything by length; callers restore the original order with the indices.
+
+    The batch size is kept as `size`, not `batch_size`: accelerate's multi-process sharding would read a
+    `batch_size` as "every batch is full" and skip the one short batch wherever shuffling put it.
     """
 
     def __init__(self, lengths: list[int], batch_size: int, shuffle: bool, seed: int = 0):
-        self.lengths, self.batch_size, self.shuffle, self.seed, self.epoch = (
+        self.lengths, self.size, self.shuffle, self.seed, self.epoch = (
             lengths,
             batch_size,
             shuffle,
@@ -430,13 +433,13 @@ class LengthGroupedBatches(Sampler[list[int]]):
         rng = random.Random(self.seed + self.epoch)
         if not self.shuffle:
             order.sort(key=lambda i: self.lengths[i])
-            return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+            return [order[i : i + self.size] for i in range(0, len(order), self.size)]
         rng.shuffle(order)
-        mega = self.batch_size * 50
+        mega = self.size * 50
         out = []
         for start in range(0, len(order), mega):
             chunk = sorted(order[start : start + mega], key=lambda i: self.lengths[i], reverse=True)
-            out += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+            out += [chunk[i : i + self.size] for i in range(0, len(chunk), self.size)]
         rng.shuffle(out)
         return out
 
@@ -444,7 +447,7 @@ class LengthGroupedBatches(Sampler[list[int]]):
         return iter(self.batches())
 
     def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.batch_size)
+        return math.ceil(len(self.lengths) / self.size)
 
 
 def make_loader(

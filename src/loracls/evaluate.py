@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
 from datasets import Dataset
 from sklearn.metrics import (
     accuracy_score,
@@ -31,13 +33,18 @@ def predict_probs(
     batch_size: int,
     device: torch.device | str | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
+    accelerator: Accelerator | None = None,
 ) -> np.ndarray:
     """Class probabilities, shape (examples, classes), in the dataset's order.
 
-    Softmax over the classes; for a multi-label model (`problem_type`), a sigmoid per label.
+    Softmax over the classes; for a multi-label model (`problem_type`), a sigmoid per label. Under several
+    processes (`accelerator`), each scores every n-th batch and all receive the whole result: every example is
+    scored exactly once, with no padding of the last batch to gather.
     """
     inputs = dataset.select_columns(["input_ids"])
     batches = LengthGroupedBatches([len(x) for x in inputs["input_ids"]], batch_size, shuffle=False).batches()
+    if accelerator is not None and accelerator.num_processes > 1:
+        batches = batches[accelerator.process_index :: accelerator.num_processes]
     loader = DataLoader(inputs, batch_sampler=batches, collate_fn=DataCollatorWithPadding(tokenizer))
     device = device or next(model.parameters()).device
     was_training = model.training
@@ -52,6 +59,10 @@ def predict_probs(
                 (torch.sigmoid(logits) if multi_label else torch.softmax(logits, -1)).cpu().numpy()
             )
     model.train(was_training)
+    if accelerator is not None and accelerator.num_processes > 1:
+        done = np.concatenate(batches) if batches else np.zeros(0, dtype=int)
+        for indices, part in gather_object([(done, probs[done])]):
+            probs[indices] = part
     return probs
 
 

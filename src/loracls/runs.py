@@ -37,19 +37,22 @@ from loracls.errors import LoraclsError
 @dataclass
 class RunFolder:
     path: Path
+    main: bool = True
+    """Whether this process writes: under several processes only the main one does; the others' writes are
+    no-ops, so the training code reads the same for one process or many."""
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
 
     @classmethod
-    def create(cls, out: str | None, data: str) -> RunFolder:
-        if out is None:
-            out = f"runs/{Path(data).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        path = Path(out)
+    def create(cls, out: str | None, data: str, main: bool = True) -> RunFolder:
+        """A new run folder at `out` (default `runs/<data>-<timestamp>`); refuses one that holds a run."""
+        path = Path(out or default_out(data))
         if (path / "status.json").exists():
             raise LoraclsError(f"{path} already holds a run; choose another --out or remove it")
-        path.mkdir(parents=True, exist_ok=True)
-        return cls(path)
+        if main:
+            path.mkdir(parents=True, exist_ok=True)
+        return cls(path, main)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -59,13 +62,18 @@ class RunFolder:
         return self.path / "best"
 
     def write_json(self, name: str, value: Any) -> None:
-        write_json(self.path / name, value)
+        if self.main:
+            write_json(self.path / name, value)
 
     def append_log(self, record: dict) -> None:
+        if not self.main:
+            return
         with (self.path / "train_log.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def write_config(self, cfg: TrainConfig) -> None:
+        if not self.main:
+            return
         (self.path / "config.yaml").write_text(
             yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8"
         )
@@ -83,7 +91,7 @@ class RunFolder:
     def truncate_log(self, step: int) -> None:
         """Drop `train_log.jsonl` records after `step` (a resumed run writes them again)."""
         log = self.path / "train_log.jsonl"
-        if log.is_file():
+        if self.main and log.is_file():
             lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
             kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
             write_text(log, "".join(kept))
@@ -123,6 +131,10 @@ class RunFolder:
             )
         if not has_best:
             raise LoraclsError(f"{self.path} (status: {state}) has no best checkpoint yet: no validation ran")
+
+
+def default_out(data: str) -> str:
+    return f"runs/{Path(data).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def write_text(path: Path, text: str) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, set_seed
 from datasets import Dataset
 from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
@@ -34,7 +34,7 @@ from loracls.evaluate import predict_probs, score, tune_thresholds, write_predic
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.report import build_report
-from loracls.runs import RunFolder, environment, write_jsonl
+from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
 
 console = Console(stderr=True)
@@ -61,6 +61,11 @@ class FitResult:
             "optimizer_steps": self.steps,
             "examples_seen": self.examples,
         }
+
+
+def cpu_only() -> bool:
+    """No GPU: accelerate then runs several processes on the CPU (gloo) instead of expecting one per GPU."""
+    return not torch.cuda.is_available() and not torch.backends.mps.is_available()
 
 
 def mixed_precision(precision: str) -> str:
@@ -101,7 +106,9 @@ def fit(
     loader = make_loader(
         train_set, tokenizer, cfg.batch_size, shuffle=True, seed=cfg.seed, generator=torch.Generator()
     )
-    steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)
+    sampler = loader.batch_sampler
+    # each process takes every n-th batch (the last round is filled up from the start by accelerate)
+    steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / cfg.grad_accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
     loss_fn = make_loss(cfg, train_set, model.config.num_labels).to(accelerator.device)
@@ -113,11 +120,13 @@ def fit(
     state = checkpoints.TrainerState(total_steps=total_steps)
     if resume is not None:
         state = checkpoints.load(accelerator, resume)
-        restore_best(run, tokenizer, state)
+        if run.main:
+            restore_best(run, tokenizer, state)
         console.print(f"Resumed from {resume}: step {state.step} of {state.total_steps}")
     console.print(
         f"{len(train_set)} training examples, {steps_per_epoch} optimizer steps per epoch, "
-        f"{total_steps} in all (warm-up {warmup}), effective batch {cfg.effective_batch_size}"
+        f"{total_steps} in all (warm-up {warmup}), effective batch {cfg.effective_batch_size} x "
+        f"{accelerator.num_processes} process(es)"
     )
 
     start = time.perf_counter()
@@ -136,7 +145,10 @@ def fit(
     with progress, StopSignals() as stop:
         clock = time.perf_counter()
         while state.step < state.total_steps:
-            loader.set_epoch(state.epoch)  # accelerate's loader would count its own iterations instead
+            # both: accelerate's loader would count its own iterations instead, and under several processes
+            # its sharding wrapper does not pass the epoch on to our sampler
+            loader.set_epoch(state.epoch)
+            sampler.set_epoch(state.epoch)
             batches = (
                 accelerator.skip_first_batches(loader, state.batches_in_epoch)
                 if state.batches_in_epoch
@@ -155,12 +167,14 @@ def fit(
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
                         # under fp16 the loss scaler skips steps with inf gradients itself
-                        nonfinite = not math.isfinite(step_loss) or (
-                            accelerator.scaler is None and not torch.isfinite(grad_norm)
+                        nonfinite = agree(
+                            accelerator,
+                            not math.isfinite(step_loss)
+                            or (accelerator.scaler is None and not torch.isfinite(grad_norm)),
                         )
                         if not nonfinite:
                             optimizer.step()
-                    scheduler.step()
+                        scheduler.step()
                     optimizer.zero_grad()
                 if not accelerator.sync_gradients:
                     continue
@@ -222,7 +236,8 @@ def fit(
                     )
                     if improved:
                         state.best_step, state.best_val, state.stale = state.step, val, 0
-                        save_best(accelerator.unwrap_model(model), tokenizer, run)
+                        if run.main:
+                            save_best(accelerator.unwrap_model(model), tokenizer, run)
                     else:
                         state.stale += 1
                     if cfg.early_stopping_patience is not None and state.stale >= cfg.early_stopping_patience:
@@ -230,6 +245,8 @@ def fit(
                         state.total_steps = state.step
                     clock = time.perf_counter()
 
+                if agree(accelerator, stop.signal is not None) and stop.signal is None:
+                    stop.signal = "a signal to another process"
                 saving = state.step % cfg.save_every == 0 or state.step >= state.total_steps
                 if improved or saving or stop.signal:
                     state.window_s += time.perf_counter() - clock
@@ -297,6 +314,13 @@ def make_loss(cfg: TrainConfig, train_set: Dataset, num_labels: int) -> torch.nn
     return torch.nn.CrossEntropyLoss(weight=weight)
 
 
+def agree(accelerator: Accelerator, flag: bool) -> bool:
+    """True when `flag` is true in any process, so that all processes take the same branch."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "max"))
+
+
 def skip_nonfinite_step(
     state: checkpoints.TrainerState, cfg: TrainConfig, run: RunFolder, loss: float, grad_norm: float
 ) -> None:
@@ -324,7 +348,19 @@ def log_window(
     grad_norm: torch.Tensor,
     accelerator: Accelerator,
 ) -> dict:
-    """The `train_log.jsonl` record of the log window that just ended; folds it into the run's totals."""
+    """The `train_log.jsonl` record of the log window that just ended; folds it into the run's totals.
+
+    Loss, examples and tokens are summed over the processes; time is this process's.
+    """
+    if accelerator.num_processes > 1:
+        sums = torch.tensor(
+            [state.window_loss, state.window_micro, state.window_examples, state.window_tokens],
+            dtype=torch.float64,
+            device=accelerator.device,
+        )
+        loss, micro, examples, tokens = accelerator.reduce(sums, "sum").tolist()
+        state.window_loss, state.window_micro = loss, int(micro)
+        state.window_examples, state.window_tokens = int(examples), int(tokens)
     record = {
         "kind": "train",
         "step": state.step,
@@ -394,12 +430,13 @@ def validate(
 ) -> dict:
     """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
     probs = predict_probs(
-        model, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
+        model, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast(), accelerator
     )
     # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
     thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
-    path = run.file(f"val_predictions/step_{step:06d}.jsonl")
-    write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
+    if run.main:
+        path = run.file(f"val_predictions/step_{step:06d}.jsonl")
+        write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
     return score(splits.val, probs, splits.labels, thresholds)
 
 
@@ -427,8 +464,13 @@ def restore_best(run: RunFolder, tokenizer: PreTrainedTokenizerBase, state: chec
 
 
 def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
-    """The whole job; returns the run folder and the metrics written to `RUN/metrics.json`."""
+    """The whole job; returns the run folder and the metrics written to `RUN/metrics.json`.
+
+    Under `accelerate launch` or `torchrun`, every process runs this; only the main one writes.
+    """
     check_tracker(cfg)
+    processes = PartialState(cpu=cpu_only())
+    console.quiet = not processes.is_main_process
     splits = load_splits(cfg)
     for note in splits.notes:
         console.print(f"[dim]data: {note}[/]")
@@ -436,19 +478,26 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
         f"data: {len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test, "
         f"labels {splits.labels}"
     )
-    run = RunFolder.create(cfg.out, cfg.data)
+    out = [cfg.out or default_out(cfg.data)]
+    if processes.num_processes > 1:
+        broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
+    run = RunFolder.create(out[0], cfg.data, processes.is_main_process)
+    processes.wait_for_everyone()  # every process has checked the folder before the main one writes
     cfg.out = str(run.path)
     run.write_config(cfg)
     run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
-    for name in ("train", "val", "test"):
-        write_jsonl(run.file(f"data/{name}.jsonl"), getattr(splits, name))
+    if run.main:
+        for name in ("train", "val", "test"):
+            write_jsonl(run.file(f"data/{name}.jsonl"), getattr(splits, name))
     run.write_json("data/notes.json", splits.notes)
     return guarded(run, cfg, splits, resume=None)
 
 
 def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
     """Continue an unfinished run from its last checkpoint, with its own config and data splits."""
-    run = RunFolder(Path(run_dir))
+    processes = PartialState(cpu=cpu_only())
+    console.quiet = not processes.is_main_process
+    run = RunFolder(Path(run_dir), processes.is_main_process)
     state = run.status()
     if state == "finished":
         raise LoraclsError(f"{run.path} already finished; nothing to resume")
@@ -484,8 +533,10 @@ def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | Non
 def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
     """Model, LoRA, `fit()` and the test report, written into an open run folder."""
     accelerator = Accelerator(
+        cpu=cpu_only(),
         mixed_precision=mixed_precision(cfg.precision),
         gradient_accumulation_steps=cfg.grad_accum,
+        step_scheduler_with_optimizer=False,  # fit() steps it once per optimizer step, whatever the processes
         log_with=cfg.track,
         project_dir=str(run.file("tracking")),
     )
@@ -514,11 +565,12 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         console.print("[dim]baseline: the prompt baseline scores single-label tasks only; skipped[/]")
     elif cfg.baseline and resume is not None and run.file("baseline_metrics.json").is_file():
         baseline = json.loads(run.file("baseline_metrics.json").read_text(encoding="utf-8"))
-    elif cfg.baseline:
+    elif cfg.baseline and accelerator.is_main_process:  # the others wait for it below
         baseline = baseline_for_run(
             model_path, tokenizer, splits, cfg, run.path, accelerator.device, accelerator.autocast()
         )
         console.print(baseline_line(baseline))
+    accelerator.wait_for_everyone()
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     model = load_classifier(
         model_path, splits.labels, cfg.trust_remote_code, cfg.head_init, cfg.allow_pickle, cfg.multi_label
@@ -549,16 +601,28 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     thresholds = None
     if cfg.multi_label:
         val_probs = predict_probs(
-            merged, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
+            merged,
+            val_set,
+            tokenizer,
+            cfg.batch_size * 2,
+            accelerator.device,
+            accelerator.autocast(),
+            accelerator,
         )
         thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
         run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
     probs = predict_probs(
-        merged, test_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast()
+        merged,
+        test_set,
+        tokenizer,
+        cfg.batch_size * 2,
+        accelerator.device,
+        accelerator.autocast(),
+        accelerator,
     )
-    write_predictions_jsonl(
-        run.file("test_predictions.jsonl"), splits.test, probs, splits.labels, thresholds=thresholds
-    )
+    if run.main:
+        path = run.file("test_predictions.jsonl")
+        write_predictions_jsonl(path, splits.test, probs, splits.labels, thresholds=thresholds)
     metrics = {
         "test": score(splits.test, probs, splits.labels, thresholds),
         "baseline": baseline_summary(baseline),
@@ -583,5 +647,6 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     test = metrics["test"]
     accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
     accelerator.end_training()
-    console.print(f"report: {build_report(run.path)}", soft_wrap=True)
+    if run.main:
+        console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     return metrics
