@@ -230,3 +230,12 @@ def test_each_bad_input_exits_2_with_its_message(case, tmp_path, toy_csv):
     assert result.exit_code == 2, result.output
     assert phrase in " ".join(result.output.split()) and "Traceback" not in result.output
     assert not out.exists()  # refused before a run folder or a model
+
+
+def test_quantize_4bit_is_refused_on_cpu_before_a_run_starts(tiny_models, toy_csv, tmp_path):
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--quantize", "4bit"
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--quantize 4bit needs a GPU" in " ".join(result.output.split()) and not out.exists()

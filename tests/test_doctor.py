@@ -186,10 +186,27 @@ def test_doctor_command_on_this_machine(monkeypatch):
 
 
 def test_memory_estimate_for_the_tiny_model(tiny_models):
-    small = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=8, max_length=64)
-    large = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=16, max_length=128)
+    small = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=8, max_length=64)["lora"]
+    large = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=16, max_length=128)["lora"]
     assert 0 < small["total_gb"] < large["total_gb"]
     assert large["activations_gb"] > 2 * small["activations_gb"]
+
+
+def test_memory_estimate_for_qlora_and_fsdp(tiny_models):
+    setups = doctor.memory_estimate(str(tiny_models["llama"]), 8, 64, precision="bf16", devices=4)
+    lora, qlora, fsdp = setups["lora"], setups["qlora"], setups["fsdp"]
+    assert qlora["weights_gb"] < lora["weights_gb"]  # 4-bit decoder linears
+    assert fsdp["weights_gb"] == pytest.approx(lora["weights_gb"] / 4, abs=1e-3)
+    assert fsdp["activations_gb"] == lora["activations_gb"]  # a micro-batch per device either way
+
+
+@pytest.mark.slow
+def test_memory_plan_for_gemma3_270m():
+    setups = doctor.memory_estimate("gemma3-270m", 16, 256, precision="bf16", devices=8)
+    # 268M weights in bf16: 0.5 GiB; 4-bit only shrinks its 100M decoder linears (embeddings are 168M)
+    assert setups["lora"]["weights_gb"] == pytest.approx(0.5, abs=0.01)
+    assert 0.3 < setups["qlora"]["weights_gb"] < 0.4
+    assert setups["fsdp"]["weights_gb"] == pytest.approx(0.5 / 8, abs=0.01)
 
 
 def test_training_on_a_gpu_stops_early_when_the_smoke_test_fails(monkeypatch):

@@ -345,6 +345,7 @@ def doctor(
         int, typer.Option(help="Micro-batch for the memory estimate")
     ] = TrainConfig.batch_size,
     max_length: Annotated[int, typer.Option(help="Tokens per text for the memory estimate")] = 256,
+    devices: Annotated[int, typer.Option(help="Devices FSDP would shard over, for the estimate")] = 8,
 ) -> None:
     """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
     from loracls.doctor import (
@@ -363,7 +364,7 @@ def doctor(
     try:
         if model:
             precision = "bf16" if device == "cuda" else "fp32"
-            memory["estimate"] = memory_estimate(model, batch_size, max_length, precision)
+            memory["estimate"] = memory_estimate(model, batch_size, max_length, precision, devices)
     except LoraclsError as e:
         fail(e)
     can_train = report.can_train and (result is None or result.ok)
@@ -395,8 +396,15 @@ def doctor(
             )
             if "bnb_4bit" in result.details:
                 console.print(f"      4-bit linear (bitsandbytes, QLoRA): {result.details['bnb_4bit']}")
-        for key, value in memory.items():
-            console.print(f"memory {key}: {value}")
+        if "free_gb" in memory:
+            console.print(f"memory free: {memory['free_gb']}")
+        for setup, parts in memory.get("estimate", {}).items():
+            where = f"per device of {devices}" if setup == "fsdp" else "per device"
+            console.print(
+                f"memory estimate {setup:5} ({where}): {parts['total_gb']:.2f} GB = weights "
+                f"{parts['weights_gb']:.2f} + LoRA/optimizer {parts['lora_and_optimizer_gb']:.3f} + "
+                f"activations {parts['activations_gb']:.2f}"
+            )
         console.print("[bold green]can train[/]" if can_train else "[bold red]cannot train as it is[/]")
     raise typer.Exit(0 if can_train else 1)
 
@@ -445,6 +453,9 @@ def export(
     checks = "checked: config, head, tokenizer, reloaded logits"
     kind = "adapter + head" if adapter_only else f"merged classifier ({checks})"
     console.print(f"{kind} written to {folder}", soft_wrap=True)
+    merged_into = json.loads((folder / "loracls.json").read_text(encoding="utf-8")).get("merged_into")
+    if merged_into:
+        console.print(f"note: LoRA merged into {merged_into}", soft_wrap=True)
 
 
 @app.command()

@@ -104,6 +104,9 @@ class TrainConfig:
     """Stop after this many validations without improvement of the best validation metric."""
     metric: str = "macro_f1"
     """Validation metric that picks the best checkpoint: `macro_f1` or `accuracy`."""
+    quantize: str | None = None
+    """`4bit`: QLoRA, the base model's linear layers in 4-bit NF4 through bitsandbytes. Needs a CUDA GPU (or
+    ROCm with a bitsandbytes build that supports it: `loracls doctor` tells); refused elsewhere."""
     precision: str = "auto"
     """`auto` (bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU), `fp32`, `bf16` or `fp16`."""
     baseline: bool = True
@@ -163,6 +166,7 @@ class TrainConfig:
             "skip_nonfinite": self.skip_nonfinite >= 0,
             "dedup": self.dedup in ("drop", "keep", "error"),
             "track": self.track in (None, "tensorboard", "mlflow"),
+            "quantize": self.quantize in (None, "4bit"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -542,33 +542,49 @@ def crash_hint(facts: Facts | None) -> str:
 
 
 def memory_estimate(
-    model: str, batch_size: int, max_length: int, precision: str = "fp32"
-) -> dict[str, float]:
-    """A rough training-memory estimate in GiB for LoRA on `model` (weights, LoRA optimizer, activations).
+    model: str, batch_size: int, max_length: int, precision: str = "fp32", devices: int = 1
+) -> dict[str, dict[str, float]]:
+    """Rough per-device training memory in GiB for LoRA (attn-qv, r=8) on `model`, three ways: `lora` (the
+    base in `precision` on every device, DDP), `qlora` (decoder linear layers in 4-bit NF4, ~0.56 bytes per
+    weight with its scales; the rest in 16-bit) and `fsdp` (base weights, LoRA and optimizer state sharded
+    over `devices`).
 
     Activations follow Korthikanti et al. (2022): about 34·b·s·h + 5·a·s²·b bytes per layer in 16-bit,
-    twice that in fp32. A planning figure, not a promise: allocator overhead and kernels vary.
+    twice that in fp32, per micro-batch of `batch_size` on each device. A planning figure, not a promise:
+    allocator overhead and kernels vary.
     """
-    from loracls.lora import plan_for_model
+    import torch
+
+    from loracls.lora import decoder_layers, plan_for_model
     from loracls.model import empty_classifier, resolve_model
 
     skeleton = empty_classifier(resolve_model(model), ["a", "b"])
     config = skeleton.config.get_text_config()
     plan = plan_for_model(model, "attn-qv", 8)
     width = 4 if precision == "fp32" else 2
-    weights = plan.base_parameters * width
+    layers = skeleton.get_submodule(decoder_layers(skeleton))
+    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     trainable = plan.trainable * 16  # fp32 weights, gradients and two AdamW moments
     per_layer = (
         34 * batch_size * max_length * config.hidden_size
         + 5 * config.num_attention_heads * max_length**2 * batch_size
     )
     activations = per_layer * config.num_hidden_layers * width / 2
+    weights = {
+        "lora": plan.base_parameters * width,
+        "qlora": linear * 0.5625 + (plan.base_parameters - linear) * 2,
+        "fsdp": plan.base_parameters * width / devices,
+    }
+    optimizer = {"lora": trainable, "qlora": trainable, "fsdp": trainable / devices}
     gib = 2**30
     return {
-        "weights_gb": round(weights / gib, 3),
-        "lora_and_optimizer_gb": round(trainable / gib, 3),
-        "activations_gb": round(activations / gib, 3),
-        "total_gb": round((weights + trainable + activations) / gib, 3),
+        setup: {
+            "weights_gb": weights[setup] / gib,
+            "lora_and_optimizer_gb": optimizer[setup] / gib,
+            "activations_gb": activations / gib,
+            "total_gb": (weights[setup] + optimizer[setup] + activations) / gib,
+        }
+        for setup in weights
     }
 
 
@@ -583,6 +599,25 @@ def free_memory_gb() -> dict[str, float]:
             for i in range(torch.cuda.device_count())
         }
     return {"cpu": round(psutil.virtual_memory().available / 2**30, 1)}
+
+
+def check_quantization(device, facts: Facts | None) -> None:
+    """`--quantize 4bit` only where bitsandbytes' 4-bit kernels run: a GPU on which a 4-bit layer works."""
+    from loracls.errors import LoraclsError
+
+    if device.type != "cuda":
+        raise LoraclsError(
+            f"--quantize 4bit needs a GPU: bitsandbytes' 4-bit kernels run on CUDA (and on ROCm with a build "
+            f"that supports it); this run is on {device.type}. Train without --quantize: at this size LoRA "
+            "alone fits (`loracls doctor --model M` estimates LoRA, QLoRA and FSDP memory)."
+        )
+    result = smoke_test(str(device), facts)
+    if result.details.get("bnb_4bit") != "ok":
+        raise LoraclsError(
+            f"--quantize 4bit: bitsandbytes' 4-bit layer does not work on {device} "
+            f"({result.details.get('bnb_4bit', 'no result')}). Install a bitsandbytes build for this stack "
+            "(`pip install bitsandbytes`; ROCm: a release with ROCm support), or train without --quantize."
+        )
 
 
 def check_before_training(device: str, facts: Facts) -> None:

@@ -51,6 +51,9 @@ def export_run(
                 "base_model": cfg.model,
                 "run": str(run.path.resolve()),
                 "run_status": run.status(),
+                "merged_into": "a full-precision base: the run trained LoRA on a 4-bit base (QLoRA)"
+                if cfg.quantize and not adapter_only
+                else None,
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
                 "loracls": package_version("loracls"),
             },

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
+from peft import prepare_model_for_kbit_training
 from rich.console import Console
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    BitsAndBytesConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -248,6 +250,7 @@ def load_classifier(
     head_init: str = "zero",
     allow_pickle: bool = False,
     multi_label: bool = False,
+    quantize: str | None = None,
 ) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
 
@@ -263,6 +266,18 @@ def load_classifier(
     if multi_label:  # sigmoid per label; saved in the config, so a plain transformers load knows
         config.problem_type = "multi_label_classification"
     check_weight_files(path, allow_pickle)
+    quantized = {}
+    if quantize == "4bit":  # QLoRA: decoder linears in NF4 on the GPU; the new head stays in full precision
+        quantized = {
+            "quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+                llm_int8_skip_modules=["score", "classifier"],
+            ),
+            "device_map": {"": torch.cuda.current_device()},
+        }
     model, info = cls.from_pretrained(
         path,
         config=config,
@@ -271,7 +286,10 @@ def load_classifier(
         trust_remote_code=trust_remote_code,
         key_mapping=key_mapping,
         use_safetensors=None if allow_pickle else True,
+        **quantized,
     )
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if key_mapping:
         # transformers would undo the renaming on save_pretrained, writing `model.language_model.*` keys that
         # a text-only classifier cannot load back; saved weights must use this model's own names

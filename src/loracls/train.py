@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmu
 from loracls import checkpoints
 from loracls.config import TrainConfig
 from loracls.data import Splits, load_splits, make_loader, tokenize, truncated_share
-from loracls.doctor import check_before_training, collect_facts, diagnose
+from loracls.doctor import check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, tune_thresholds, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
@@ -273,9 +273,12 @@ def fit(
     )
 
 
-def check_tracker(cfg: TrainConfig) -> None:
+def check_requirements(cfg: TrainConfig) -> None:
+    """What the config asks of the machine, checked before a run folder exists."""
     if cfg.track is not None and importlib.util.find_spec(cfg.track) is None:
         raise LoraclsError(f"--track {cfg.track} needs the package: pip install {cfg.track}")
+    if cfg.quantize and cpu_only():
+        check_quantization(torch.device("cpu"), None)
 
 
 def start_tracking(accelerator: Accelerator, cfg: TrainConfig, run: RunFolder) -> None:
@@ -468,7 +471,7 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
 
     Under `accelerate launch` or `torchrun`, every process runs this; only the main one writes.
     """
-    check_tracker(cfg)
+    check_requirements(cfg)
     processes = PartialState(cpu=cpu_only())
     console.quiet = not processes.is_main_process
     splits = load_splits(cfg)
@@ -507,7 +510,7 @@ def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
             f"{run.path} (status: {state}) has no complete checkpoint to resume from; start the run again"
         )
     cfg = run.read_config()
-    check_tracker(cfg)
+    check_requirements(cfg)
     splits = run.read_splits()
     step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
     run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
@@ -558,6 +561,8 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
 
     if cfg.smoke_test and accelerator.device.type == "cuda":
         check_before_training(str(accelerator.device), facts)
+    if cfg.quantize:
+        check_quantization(accelerator.device, facts)
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     baseline = None
@@ -573,7 +578,13 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     accelerator.wait_for_everyone()
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     model = load_classifier(
-        model_path, splits.labels, cfg.trust_remote_code, cfg.head_init, cfg.allow_pickle, cfg.multi_label
+        model_path,
+        splits.labels,
+        cfg.trust_remote_code,
+        cfg.head_init,
+        cfg.allow_pickle,
+        cfg.multi_label,
+        cfg.quantize,
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
