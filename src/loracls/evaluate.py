@@ -39,13 +39,17 @@ def predict_probs(
 
     Softmax over the classes; for a multi-label model (`problem_type`), a sigmoid per label. Under several
     processes (`accelerator`), each scores every n-th batch and all receive the whole result: every example is
-    scored exactly once, with no padding of the last batch to gather.
+    scored exactly once, with no padding of the last batch to gather. Every process runs the same number of
+    forward passes (a short one runs a discarded extra), as a sharded model needs.
     """
     inputs = dataset.select_columns(["input_ids"])
     batches = LengthGroupedBatches([len(x) for x in inputs["input_ids"]], batch_size, shuffle=False).batches()
+    rounds, spare = len(batches), batches[0][:1] if batches else []
     if accelerator is not None and accelerator.num_processes > 1:
+        rounds = -(-len(batches) // accelerator.num_processes)  # forward passes per process, all equal
         batches = batches[accelerator.process_index :: accelerator.num_processes]
-    loader = DataLoader(inputs, batch_sampler=batches, collate_fn=DataCollatorWithPadding(tokenizer))
+    collate = DataCollatorWithPadding(tokenizer)
+    loader = DataLoader(inputs, batch_sampler=batches, collate_fn=collate)
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -58,6 +62,9 @@ def predict_probs(
             probs[indices] = (
                 (torch.sigmoid(logits) if multi_label else torch.softmax(logits, -1)).cpu().numpy()
             )
+        for _ in range(rounds - len(batches)):
+            # a sharded model (FSDP) needs every process in every forward pass: one example, discarded
+            model(**{k: v.to(device) for k, v in collate([inputs[i] for i in spare]).items()})
     model.train(was_training)
     if accelerator is not None and accelerator.num_processes > 1:
         done = np.concatenate(batches) if batches else np.zeros(0, dtype=int)
