@@ -99,6 +99,8 @@ def train(
             run, metrics = run_train(cfg)
     except LoraclsError as e:
         fail(e)
+    if not run.main:  # under several processes, the main one reports
+        return
     test = metrics["test"]
     console.print(
         f"\n[bold]test accuracy {test['accuracy']:.4f}  macro-F1 {test['macro_f1']:.4f}[/]  "
