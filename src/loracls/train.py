@@ -444,11 +444,18 @@ def validate(
 
 
 def save_best(model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder) -> None:
-    """Adapter, head and tokenizer into RUN/best, replaced in one rename."""
+    """Adapter, head and tokenizer into RUN/best, replaced in one rename; a failed write keeps the old one."""
     tmp = run.file("best.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LoraclsError(
+            f"Could not write the new best checkpoint to {run.best}: {e}. The previous best is intact; free "
+            f"space, then `loracls train --resume {run.path}`."
+        ) from None
     shutil.rmtree(run.best, ignore_errors=True)
     tmp.rename(run.best)
 
