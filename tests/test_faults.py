@@ -215,3 +215,25 @@ def test_resume_refusals_and_allow_unfinished(reference, monkeypatch, tiny_model
     assert result.exit_code == 0, result.output
     info = json.loads((tmp_path / "export/loracls.json").read_text())
     assert info["run_status"] == "failed"
+
+
+def test_failed_best_write_keeps_the_previous_best(monkeypatch, tiny_models, toy_csv, tmp_path):
+    from peft import PeftModel
+
+    save_pretrained, calls = PeftModel.save_pretrained, []
+
+    def disk_full(self, folder, *args, **kwargs):
+        if Path(folder).name == "best.tmp":
+            calls.append(folder)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+        return save_pretrained(self, folder, *args, **kwargs)
+
+    monkeypatch.setattr(PeftModel, "save_pretrained", disk_full)
+    out = tmp_path / "run"
+    # validating every step: the first validation is a best, and a later one improves on it
+    result = invoke(*train_args(tiny_models["llama"], toy_csv, out), "--eval-every", "1")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    message = " ".join(result.output.split())
+    assert "Could not write the new best checkpoint" in message and "previous best is intact" in message
+    assert (out / "best/adapter_model.safetensors").is_file() and not (out / "best.tmp").exists()
