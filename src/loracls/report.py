@@ -143,9 +143,9 @@ def confidence(prediction: dict) -> float:
     return prediction["probabilities"][prediction["predicted"]]
 
 
-def flips(run: RunFolder) -> tuple[list[list], list[list]]:
+def flips(run: RunFolder, best: int | None) -> tuple[list[list], list[list]]:
     """Per pair of consecutive validations: changed, wrong->right, right->wrong; and the examples whose
-    prediction differs between the first validation and the best one."""
+    prediction differs between the first validation and the best one (step `best`)."""
     files = sorted((run.path / "val_predictions").glob("step_*.jsonl"))
     steps = [(int(f.stem[5:]), {r["id"]: r for r in read_jsonl(f)}) for f in files]
     pairs = []
@@ -156,12 +156,6 @@ def flips(run: RunFolder) -> tuple[list[list], list[list]]:
         broken = sum(before[i]["predicted"] == before[i]["gold"] for i in changed)
         pairs.append([f"{a} -> {b}", len(changed), fixed, broken])
     examples = []
-    metrics_file = run.file("metrics.json")
-    best = (
-        json.loads(metrics_file.read_text(encoding="utf-8"))["best_val"]["step"]
-        if metrics_file.is_file()
-        else None
-    )
     by_step = dict(steps)
     if steps and best in by_step and best != steps[0][0]:
         first_step, first = steps[0]
@@ -278,7 +272,7 @@ def build_report(run_dir: str | Path) -> Path:
     parts.append(table(header, rows, {3}) if rows else "<p>No mistakes.</p>")
 
     parts.append('<h2 id="flips">How validation predictions changed between checkpoints</h2>')
-    pairs, examples = flips(run)
+    pairs, examples = flips(run, best_step)
     parts.append(
         table(["validations", "changed", "wrong to right", "right to wrong"], pairs, {1, 2, 3})
         if pairs
