@@ -7,7 +7,7 @@ OUT=${OUT:-gpu-check}
 mkdir -p "$OUT"
 L=${LORACLS:-.venv/bin/loracls}
 COMMON="--data zh-reviews --max-train-examples 2000 --max-eval-examples 500 --max-length 128 --epochs 1
-        --batch-size 16 --grad-accum 2 --eval-every 1000 --log-every 10 --no-baseline"
+        --batch-size 32 --eval-every 1000 --log-every 10 --no-baseline"
 $L doctor --json --model gemma3-270m > "$OUT/doctor.json" || true
 $L train $COMMON --precision bf16 --out "$OUT/bf16" 2>&1 | tail -25
 pip install -q bitsandbytes || true

@@ -14,8 +14,24 @@ def test_every_field_has_a_docstring():
 
 def test_defaults_follow_the_recipe():
     cfg = TrainConfig()
-    assert (cfg.lr, cfg.batch_size, cfg.grad_accum, cfg.lora_r, cfg.lora_alpha) == (2e-4, 16, 2, 8, 16)
-    assert cfg.target_modules == "attn-qv" and cfg.max_length == 256 and cfg.effective_batch_size == 32
+    assert (cfg.lr, cfg.batch_size, cfg.micro_batch_size, cfg.lora_r, cfg.lora_alpha) == (
+        2e-4,
+        32,
+        None,
+        8,
+        16,
+    )
+    assert cfg.target_modules == "attn-qv" and cfg.max_length == 256 and cfg.precision == "auto"
+
+
+def test_retired_grad_accum_says_what_replaced_it():
+    with pytest.raises(LoraclsError, match="batch_size: B\\*A"):
+        TrainConfig.load(None, {"batch_size": 16, "grad_accum": 2})
+
+
+def test_micro_batch_must_divide_the_batch():
+    with pytest.raises(LoraclsError, match="micro_batch_size = 5"):
+        TrainConfig(batch_size=16, micro_batch_size=5)
 
 
 def test_yaml_then_overrides(tmp_path):

@@ -17,7 +17,7 @@ from tests.conftest import invoke, toy_reviews
 # 96 training examples in 48 batches of 2: 24 per process, 6 optimizer steps per epoch either way; validation
 # (12 examples, batches of 4) is 3 batches, so the processes score unequal shares
 COMMON = [
-    *("--epochs", "2", "--batch-size", "2", "--lr", "5e-3", "--max-length", "64", "--eval-every", "3"),
+    *("--epochs", "2", "--micro-batch-size", "2", "--lr", "5e-3", "--max-length", "64", "--eval-every", "3"),
     *("--log-every", "1", "--lora-dropout", "0", "--no-baseline", "--save-every", "4"),
 ]
 
@@ -34,16 +34,16 @@ def test_two_processes_match_one(tiny_models, tmp_path):
     toy_reviews(120).to_csv(data, index=False)
     model = tiny_models["llama"]
     single = tmp_path / "single"
-    result = invoke("train", "--model", model, "--data", data, "--out", single, "--grad-accum", "8", *COMMON)
+    result = invoke("train", "--model", model, "--data", data, "--out", single, "--batch-size", "16", *COMMON)
     assert result.exit_code == 0, result.output
 
     multi = tmp_path / "multi"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     command = [torchrun, "--nproc_per_node", "2", "-m", "loracls", "train", "--model", str(model)]
-    command += ["--data", str(data), "--out", str(multi), "--grad-accum", "4", *COMMON]
+    command += ["--data", str(data), "--out", str(multi), "--batch-size", "8", *COMMON]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "effective batch 8 x 2 process(es)" in " ".join(done.stderr.split())
+    assert "batch 8 = 4 x 2 examples, x 2 process(es)" in " ".join(done.stderr.split())
 
     # one set of outputs: each log line once, each validation example once per validation
     log, reference = read_log(multi), read_log(single)

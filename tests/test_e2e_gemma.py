@@ -53,8 +53,6 @@ def test_loss_falls_on_a_few_dozen_real_reviews(tmp_path):
         "3",
         "--batch-size",
         "8",
-        "--grad-accum",
-        "1",
         "--lr",
         "1e-3",
         "--eval-every",

@@ -23,7 +23,18 @@ from tests.conftest import invoke
 # 96 training examples, micro-batch 4, 2 accumulated: 12 optimizer steps per epoch, 48 in all; LoRA dropout
 # is on, so an exact resume needs the RNG state as well as the weights, optimizer and data position
 LONG = [
-    *("--epochs", "4", "--batch-size", "4", "--grad-accum", "2", "--eval-every", "4", "--save-every", "3"),
+    *(
+        "--epochs",
+        "4",
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "3",
+    ),
     *("--log-every", "2", "--lr", "5e-3", "--max-length", "64", "--no-baseline", "--keep-checkpoints", "2"),
 ]
 

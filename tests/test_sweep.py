@@ -55,7 +55,7 @@ def test_sweep_runs_writes_results_and_resumes(tmp_path, tiny_models, toy_csv):
     out = tmp_path / "sweep"
     base = {
         **{"model": str(tiny_models["llama"]), "data": str(toy_csv), "epochs": 1, "batch_size": 8},
-        **{"grad_accum": 1, "eval_every": 4, "lr": 5e-3, "max_length": 64},
+        **{"eval_every": 4, "lr": 5e-3, "max_length": 64},
     }
     path = sweep_file(
         tmp_path, out=str(out), base=base, grid={"lora_r": [2, 4], "train_fraction": [0.5, 1.0]}

@@ -343,9 +343,7 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and verdicts as JSON")] = False,
     smoke: Annotated[bool, typer.Option(help="Run real kernels on the device in a child process")] = True,
     model: Annotated[str | None, typer.Option(help="Estimate training memory for this model")] = None,
-    batch_size: Annotated[
-        int, typer.Option(help="Micro-batch for the memory estimate")
-    ] = TrainConfig.batch_size,
+    batch_size: Annotated[int, typer.Option(help="Micro-batch for the memory estimate")] = 16,
     max_length: Annotated[int, typer.Option(help="Tokens per text for the memory estimate")] = 256,
     devices: Annotated[int, typer.Option(help="Devices FSDP would shard over, for the estimate")] = 8,
 ) -> None:

@@ -62,10 +62,13 @@ class TrainConfig:
     """Passes over the training data; a fraction stops part-way through the last one."""
     lr: float = 2e-4
     """Peak learning rate of AdamW for the LoRA matrices and the classification head."""
-    batch_size: int = 16
-    """Examples per forward pass (micro-batch)."""
-    grad_accum: int = 2
-    """Micro-batches accumulated into one optimizer step; the effective batch is `batch_size * grad_accum`."""
+    batch_size: int = 32
+    """Examples per optimizer step in each process (the effective batch); gradients are accumulated over
+    micro-batches of `micro_batch_size` to reach it."""
+    micro_batch_size: int | None = None
+    """Examples per forward pass; must divide `batch_size`. Unset: on a GPU the largest divisor of
+    `batch_size` that fits in memory at the longest training text (probed once, cached per model, length,
+    precision and device), on a CPU the largest divisor up to 16. The run's `config.yaml` stores the value used."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     warmup_ratio: float = 0.06
@@ -108,7 +111,15 @@ class TrainConfig:
     """`4bit`: QLoRA, the base model's linear layers in 4-bit NF4 through bitsandbytes. Needs a CUDA GPU (or
     ROCm with a bitsandbytes build that supports it: `loracls doctor` tells); refused elsewhere."""
     precision: str = "auto"
-    """`auto` (bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU), `fp32`, `bf16` or `fp16`."""
+    """`auto` (the fastest the device supports: bf16 on GPUs that have it, fp16 with loss scaling on other GPUs,
+    bf16 on CPUs with AVX-512-BF16 or AMX, else fp32), `fp32`, `bf16` or `fp16`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of storing them: less memory (a larger micro-batch
+    fits), about a third more compute per step."""
+    attention: str = "sdpa"
+    """Attention kernel: `sdpa` (PyTorch's fused scaled-dot-product attention) or `eager` (the plain one)."""
+    compile: bool = False
+    """`torch.compile` the model before training (opt-in: the first steps pay for compilation)."""
     baseline: bool = True
     """Score the prompt baseline (the base model's LM head, no training) on the test split before training."""
     baseline_shots: int = 0
@@ -141,7 +152,11 @@ class TrainConfig:
         checks = {
             "lr": self.lr > 0,
             "batch_size": self.batch_size >= 1,
-            "grad_accum": self.grad_accum >= 1,
+            "micro_batch_size": self.micro_batch_size is None
+            or (
+                1 <= self.micro_batch_size <= self.batch_size and self.batch_size % self.micro_batch_size == 0
+            ),
+            "attention": self.attention in ("sdpa", "eager"),
             "epochs": self.epochs > 0,
             "max_length": self.max_length >= 2,
             "lora_r": self.lora_r >= 1,
@@ -174,10 +189,6 @@ class TrainConfig:
             lines = [f"  {name} = {getattr(self, name)!r}: {docs[name]}" for name in bad]
             raise LoraclsError("Out-of-range configuration value(s):\n" + "\n".join(lines))
 
-    @property
-    def effective_batch_size(self) -> int:
-        return self.batch_size * self.grad_accum
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -207,9 +218,19 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
     return values
 
 
+RETIRED = {
+    "grad_accum": "`batch_size` is now the whole batch per optimizer step and `micro_batch_size` the examples "
+    "per forward pass (default: the largest that fits). Replace `batch_size: B, grad_accum: A` with "
+    "`batch_size: B*A` (and `micro_batch_size: B` to keep the old micro-batch).",
+}
+"""Keys of earlier versions, with what replaced them."""
+
+
 def check_known_keys(values: dict[str, Any], source: str) -> None:
     known = [f.name for f in fields(TrainConfig)]
     for key in values:
+        if key in RETIRED:
+            raise LoraclsError(f"Config key '{key}' in {source} is retired: {RETIRED[key]}")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(known)}."

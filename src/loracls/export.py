@@ -46,7 +46,7 @@ def export_run(
                 "merged": not adapter_only,
                 "labels": labels,
                 "max_length": cfg.max_length,
-                "batch_size": cfg.batch_size * 2,
+                "batch_size": classifier.batch_size,
                 "text_column": cfg.text_column,
                 "base_model": cfg.model,
                 "run": str(run.path.resolve()),

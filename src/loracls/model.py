@@ -251,6 +251,7 @@ def load_classifier(
     allow_pickle: bool = False,
     multi_label: bool = False,
     quantize: str | None = None,
+    attention: str | None = None,
 ) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
 
@@ -286,6 +287,7 @@ def load_classifier(
         trust_remote_code=trust_remote_code,
         key_mapping=key_mapping,
         use_safetensors=None if allow_pickle else True,
+        attn_implementation=attention,
         **quantized,
     )
     if quantized:

@@ -17,6 +17,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder
+from loracls.sizing import CPU_MICRO_BATCH, inference_autocast
 
 EXPORT_INFO = "loracls.json"
 """Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
@@ -84,7 +85,7 @@ class Classifier:
             tokenizer,
             labels,
             cfg.max_length,
-            cfg.batch_size * 2,
+            (cfg.micro_batch_size or CPU_MICRO_BATCH) * 2,
             cfg.text_column,
             run_thresholds(run, labels) if cfg.multi_label else None,
         )
@@ -113,7 +114,10 @@ class Classifier:
     def predict_probs(self, texts: list[str]) -> np.ndarray:
         table = pd.DataFrame({"text": texts, "label": self.labels[0]})
         dataset = tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0})
-        return predict_probs(self.model, dataset, self.tokenizer, self.batch_size)
+        device = next(self.model.parameters()).device
+        return predict_probs(
+            self.model, dataset, self.tokenizer, self.batch_size, device, inference_autocast(device)
+        )
 
     def predict(self, texts: list[str]) -> list[dict]:
         """One record per text: the predicted `label` (multi-label: `labels`, every one at or above its

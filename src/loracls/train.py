@@ -35,6 +35,7 @@ from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
+from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
 from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
 
 console = Console(stderr=True)
@@ -68,15 +69,6 @@ def cpu_only() -> bool:
     return not torch.cuda.is_available() and not torch.backends.mps.is_available()
 
 
-def mixed_precision(precision: str) -> str:
-    """accelerate's name for `precision`: `auto` is bf16 on GPUs that have it, fp16 on others, fp32 on CPU."""
-    if precision == "auto":
-        if torch.cuda.is_available():
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "no"
-    return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
-
-
 def memory_gb(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {
@@ -104,11 +96,11 @@ def fit(
     """
     # the loader's own generator: a resumed run's fresh iterator must not draw from the global RNG (dropout's)
     loader = make_loader(
-        train_set, tokenizer, cfg.batch_size, shuffle=True, seed=cfg.seed, generator=torch.Generator()
+        train_set, tokenizer, cfg.micro_batch_size, shuffle=True, seed=cfg.seed, generator=torch.Generator()
     )
     sampler = loader.batch_sampler
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
-    steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / cfg.grad_accum)
+    steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accumulation(cfg))
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
     loss_fn = make_loss(cfg, train_set, model.config.num_labels).to(accelerator.device)
@@ -125,8 +117,8 @@ def fit(
         console.print(f"Resumed from {resume}: step {state.step} of {state.total_steps}")
     console.print(
         f"{len(train_set)} training examples, {steps_per_epoch} optimizer steps per epoch, "
-        f"{total_steps} in all (warm-up {warmup}), effective batch {cfg.effective_batch_size} x "
-        f"{accelerator.num_processes} process(es)"
+        f"{total_steps} in all (warm-up {warmup}), batch {cfg.batch_size} = {accumulation(cfg)} x "
+        f"{cfg.micro_batch_size} examples, x {accelerator.num_processes} process(es)"
     )
 
     start = time.perf_counter()
@@ -271,6 +263,41 @@ def fit(
         state.train_s,
         time.perf_counter() - start,
     )
+
+
+def accumulation(cfg: TrainConfig) -> int:
+    """Micro-batches per optimizer step."""
+    return cfg.batch_size // cfg.micro_batch_size
+
+
+def speed_options(model: PeftModel, cfg: TrainConfig) -> None:
+    """Gradient checkpointing and `torch.compile` (of each decoder layer, in place), when asked for."""
+    if cfg.gradient_checkpointing:
+        # non-reentrant: works with frozen inputs (no enable_input_require_grads) and with LoRA's dropout
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile:
+        # in place, layer by layer: the parameter names (and so the saved adapter) stay as they are
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+        for layer in max(layers, key=lambda m: sum(p.numel() for p in m.parameters())):
+            layer.compile(dynamic=True)
+
+
+def choose_micro_batch(
+    model: PeftModel, train_set: Dataset, cfg: TrainConfig, run: RunFolder, accelerator: Accelerator
+) -> None:
+    """Set `cfg.micro_batch_size` (probing the device when unset) and the accumulation that reaches
+    `batch_size`; the run's `config.yaml` records the value, so a resume uses the same one."""
+    lengths = [len(x) for x in train_set["input_ids"]]
+    longest = torch.tensor([train_set[int(np.argmax(lengths))]["input_ids"]])
+    example = {"input_ids": longest, "attention_mask": torch.ones_like(longest)}
+    key = (cfg.model, max(lengths), accelerator.mixed_precision, cfg.lora_r, cfg.target_modules)
+    key += (cfg.gradient_checkpointing, cfg.quantize, cfg.attention, len(model.config.id2label))
+    size, how = micro_batch_size(cfg.micro_batch_size, cfg.batch_size, accelerator, model, example, key)
+    if how != "set":
+        console.print(f"micro-batch {size} ({how}; set --micro-batch-size to choose)")
+        cfg.micro_batch_size = size
+        run.write_config(cfg)
+    accelerator.gradient_accumulation_steps = accumulation(cfg)
 
 
 def check_requirements(cfg: TrainConfig) -> None:
@@ -433,7 +460,13 @@ def validate(
 ) -> dict:
     """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
     probs = predict_probs(
-        model, val_set, tokenizer, cfg.batch_size * 2, accelerator.device, accelerator.autocast(), accelerator
+        model,
+        val_set,
+        tokenizer,
+        cfg.micro_batch_size * 2,
+        accelerator.device,
+        accelerator.autocast(),
+        accelerator,
     )
     # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
     thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
@@ -545,16 +578,19 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     accelerator = Accelerator(
         cpu=cpu_only(),
         mixed_precision=mixed_precision(cfg.precision),
-        gradient_accumulation_steps=cfg.grad_accum,
         step_scheduler_with_optimizer=False,  # fit() steps it once per optimizer step, whatever the processes
         log_with=cfg.track,
         project_dir=str(run.file("tracking")),
     )
     start_tracking(accelerator, cfg, run)
+    offload = offload_in_use(accelerator)
+    if offload:
+        console.print(f"[yellow]{offload}: {OFFLOAD_COST}[/]")
     facts = collect_facts()
     env = {
         **environment(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
+        "offload": offload,
         "system_rocm": facts.system_rocm,
         "driver": facts.driver,
         "doctor": diagnose(facts).to_json(),
@@ -592,6 +628,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         cfg.allow_pickle,
         cfg.multi_label,
         cfg.quantize,
+        cfg.attention,
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
@@ -610,6 +647,8 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     run.write_json("targets.json", plan.to_json())
     console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
     console.print(targets_line(plan))
+    speed_options(model, cfg)
+    choose_micro_batch(model, train_set, cfg, run, accelerator)
 
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, resume)
 
@@ -622,7 +661,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
             merged,
             val_set,
             tokenizer,
-            cfg.batch_size * 2,
+            cfg.micro_batch_size * 2,
             accelerator.device,
             accelerator.autocast(),
             accelerator,
@@ -633,7 +672,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         merged,
         test_set,
         tokenizer,
-        cfg.batch_size * 2,
+        cfg.micro_batch_size * 2,
         accelerator.device,
         accelerator.autocast(),
         accelerator,
@@ -645,7 +684,12 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         "test": score(splits.test, probs, splits.labels, thresholds),
         "baseline": baseline_summary(baseline),
         "best_val": {"step": result.best_step, **result.best_val},
-        "train": result.throughput,
+        "train": {
+            **result.throughput,
+            "micro_batch_size": cfg.micro_batch_size,
+            "accumulation": accumulation(cfg),
+            "mixed_precision": accelerator.mixed_precision,
+        },
         "data": {
             "train": len(splits.train),
             "val": len(splits.val),

@@ -1,0 +1,60 @@
+"""What every benchmark result records: the command, the code, the machine, the versions and the date."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from loracls.runs import environment
+from loracls.sizing import cpu_flags, cpu_has_fast_bf16
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    facts = {
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_bf16": cpu_has_fast_bf16(),
+        "cpu_avx512": "avx512f" in cpu_flags(),
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        facts |= {"gpu": props.name, "gpu_memory_gb": round(props.total_memory / 2**30, 1)}
+    return facts
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the process's peak resident memory on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def write_result(path: Path, result: dict) -> None:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True).stdout
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        **result,
+        "git": commit or None,
+        "src_modified": bool(dirty.strip()),
+        "machine": machine(),
+        "env": environment(device),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"written to {path}")

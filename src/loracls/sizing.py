@@ -1,0 +1,180 @@
+"""What the device runs fastest: the precision `auto` means, the micro-batch that fits, offload's cost.
+
+The micro-batch probe is the one place that runs the model to decide a setting: forward and backward passes
+at the longest training length, from the largest divisor of the batch down, until one fits with headroom. A
+device whose memory is never exhausted in a catchable way (the CPU: the kernel's OOM killer ends the
+process instead) gets a fixed cap instead of a probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import release_memory
+from accelerate.utils.memory import should_reduce_batch_size
+
+from loracls.errors import LoraclsError
+
+CPU_MICRO_BATCH = 16
+"""The micro-batch cap on a CPU: larger ones gain nothing there and pad more within a batch."""
+
+HEADROOM = 0.9
+"""A probed micro-batch must peak below this share of the device's memory (evaluation, fragmentation)."""
+
+OFFLOAD_COST = (
+    "CPU offload moves parameters or optimizer state over PCIe at every step: in the write-up this tool starts "
+    "from, it made a LoRA training step 6x slower (0.8 s -> 5 s on an MI210). LoRA's optimizer state is "
+    "tiny; a smaller micro-batch with gradient accumulation (loracls' default: `--micro-batch-size` unset "
+    "finds the largest that fits) or `--gradient-checkpointing` saves memory at a fraction of that cost."
+)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags the kernel reports (Linux); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
+    """bf16 matmuls in hardware (AVX-512-BF16 or AMX); without them bf16 is emulated and far slower than fp32."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def mixed_precision(precision: str, device_type: str | None = None, flags: set[str] | None = None) -> str:
+    """accelerate's name (`no`, `bf16`, `fp16`) for `precision`; `auto` is the fastest the device supports."""
+    if precision != "auto":
+        return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if device_type == "cpu":
+        return "bf16" if cpu_has_fast_bf16(flags) else "no"
+    return "no"
+
+
+def inference_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast to the fastest precision the device supports (`precision: auto`), for inference."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision("auto", device.type))
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def divisors(n: int, cap: int | None = None) -> list[int]:
+    """Divisors of `n` up to `cap`, largest first: the micro-batches that reach `n` exactly."""
+    return [d for d in range(min(n, cap or n), 0, -1) if n % d == 0]
+
+
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:
+    """The first candidate (largest first) for which `fits` says yes."""
+    for n in candidates:
+        if fits(n):
+            return n
+    raise LoraclsError(
+        "Not even a micro-batch of 1 fits in the device's memory at the longest training text. Lower "
+        "--max-length, turn on --gradient-checkpointing, use --quantize 4bit on a CUDA GPU, or use a larger device."
+    )
+
+
+def probe_cache() -> Path:
+    from loracls.model import cache_dir
+
+    return cache_dir() / "micro_batch.json"
+
+
+def cache_key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:16]
+
+
+def fits_on_device(
+    model: torch.nn.Module, example: dict[str, torch.Tensor], device: torch.device, autocast
+) -> Callable[[int], bool]:
+    """A test for `largest_fitting`: one forward and backward pass of `n` copies of `example`."""
+
+    def fits(n: int) -> bool:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            batch = {k: v.to(device).repeat(n, 1) for k, v in example.items()}
+            with autocast():
+                logits = model(**batch).logits
+            logits.float().logsumexp(-1).mean().backward()
+            del batch, logits
+            peak = torch.cuda.max_memory_allocated(device)
+            return peak <= HEADROOM * torch.cuda.get_device_properties(device).total_memory
+        except Exception as e:  # an out-of-memory error of any backend means "no"; anything else is a bug
+            if not should_reduce_batch_size(e):
+                raise
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            release_memory()
+
+    return fits
+
+
+def micro_batch_size(
+    requested: int | None,
+    batch_size: int,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    key: tuple,
+) -> tuple[int, str]:
+    """The micro-batch to train with and how it was chosen (`set`, `cpu cap`, `probed`, `cached`).
+
+    `example` is the longest training text (input_ids and attention_mask, batch of one); `key` names what
+    the memory depends on besides the device (model, length, precision, LoRA targets, checkpointing).
+    """
+    if requested is not None:
+        return requested, "set"
+    device = accelerator.device
+    if device.type != "cuda":
+        return divisors(batch_size, CPU_MICRO_BATCH)[0], "cpu cap"
+    props = torch.cuda.get_device_properties(device)
+    key_text = cache_key(*key, props.name, props.total_memory, batch_size, accelerator.num_processes)
+    path = probe_cache()
+    cached = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if key_text in cached:
+        return int(cached[key_text]), "cached"
+    if next(model.parameters()).device != device:
+        model.to(device)
+    was_training = model.training
+    model.train()
+    fits = fits_on_device(model, example, device, accelerator.autocast)
+    found = largest_fitting(divisors(batch_size), fits)
+    model.train(was_training)
+    if accelerator.num_processes > 1:  # every process must accumulate the same number of micro-batches
+        found = int(accelerator.gather(torch.tensor([found], device=device)).min())
+    if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cached[key_text] = found
+        path.write_text(json.dumps(cached, indent=1), encoding="utf-8")
+    return found, "probed"
+
+
+def offload_in_use(accelerator: Accelerator) -> str | None:
+    """What the launch configuration offloads to the CPU (FSDP or DeepSpeed), or None."""
+    state = accelerator.state
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if fsdp is not None and getattr(getattr(fsdp, "cpu_offload", None), "offload_params", False):
+        return "FSDP parameter offload (fsdp_offload_params)"
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if deepspeed is not None:
+        zero = deepspeed.deepspeed_config.get("zero_optimization", {})
+        for part in ("offload_optimizer", "offload_param"):
+            if zero.get(part, {}).get("device") in ("cpu", "nvme"):
+                return f"DeepSpeed {part} to {zero[part]['device']}"
+    return None
