@@ -42,15 +42,25 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def write_result(path: Path, result: dict) -> None:
+def git_state() -> tuple[str | None, bool]:
+    """The commit that runs, and whether src/ differs from it."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True, text=True).stdout
+    return commit or None, bool(dirty.strip())
+
+
+CODE = git_state()
+"""Read when a benchmark starts: edits made while it runs do not change what it measured."""
+
+
+def write_result(path: Path, result: dict) -> None:
+    commit, dirty = CODE
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         **result,
-        "git": commit or None,
-        "src_modified": bool(dirty.strip()),
+        "git": commit,
+        "src_modified": dirty,
         "machine": machine(),
         "env": environment(device),
         "date": time.strftime("%Y-%m-%d"),

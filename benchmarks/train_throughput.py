@@ -16,7 +16,7 @@ optimizer steps of 16 examples, trained four ways, each in its own process (so p
 Each way is scored on the same validation examples. Examples/s and real tokens/s count the time of the
 training steps only (not loading or evaluation).
 
-    python benchmarks/train_throughput.py [--steps 24] [--eval 200] [--ways seed,hf-default,hf-matched,loracls]
+    python benchmarks/train_throughput.py [--steps 24] [--eval 200] [--ways seed,hf-matched,loracls]
 
 Prints a table with the ratios and writes benchmarks/results/train_throughput[_<device>].json.
 """

@@ -68,7 +68,8 @@ class TrainConfig:
     micro_batch_size: int | None = None
     """Examples per forward pass; must divide `batch_size`. Unset: on a GPU the largest divisor of
     `batch_size` that fits in memory at the longest training text (probed once, cached per model, length,
-    precision and device), on a CPU the largest divisor up to 16. The run's `config.yaml` stores the value used."""
+    precision and device), on a CPU the largest divisor up to 16. The run's `config.yaml` stores the value
+    used."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     warmup_ratio: float = 0.06
@@ -111,8 +112,8 @@ class TrainConfig:
     """`4bit`: QLoRA, the base model's linear layers in 4-bit NF4 through bitsandbytes. Needs a CUDA GPU (or
     ROCm with a bitsandbytes build that supports it: `loracls doctor` tells); refused elsewhere."""
     precision: str = "auto"
-    """`auto` (the fastest the device supports: bf16 on GPUs that have it, fp16 with loss scaling on other GPUs,
-    bf16 on CPUs with AVX-512-BF16 or AMX, else fp32), `fp32`, `bf16` or `fp16`."""
+    """`auto` (the fastest the device supports: bf16 on GPUs that have it, fp16 with loss scaling on other
+    GPUs, bf16 on CPUs with AVX-512-BF16 or AMX, else fp32), `fp32`, `bf16` or `fp16`."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of storing them: less memory (a larger micro-batch
     fits), about a third more compute per step."""
@@ -219,8 +220,8 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
 
 
 RETIRED = {
-    "grad_accum": "`batch_size` is now the whole batch per optimizer step and `micro_batch_size` the examples "
-    "per forward pass (default: the largest that fits). Replace `batch_size: B, grad_accum: A` with "
+    "grad_accum": "`batch_size` is now the whole batch per optimizer step and `micro_batch_size` the "
+    "examples per forward pass (default: the largest that fits). Replace `batch_size: B, grad_accum: A` with "
     "`batch_size: B*A` (and `micro_batch_size: B` to keep the old micro-batch).",
 }
 """Keys of earlier versions, with what replaced them."""

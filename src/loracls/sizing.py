@@ -28,8 +28,8 @@ HEADROOM = 0.9
 """A probed micro-batch must peak below this share of the device's memory (evaluation, fragmentation)."""
 
 OFFLOAD_COST = (
-    "CPU offload moves parameters or optimizer state over PCIe at every step: in the write-up this tool starts "
-    "from, it made a LoRA training step 6x slower (0.8 s -> 5 s on an MI210). LoRA's optimizer state is "
+    "CPU offload moves parameters or optimizer state over PCIe at every step: in the write-up this tool "
+    "starts from, it made a LoRA training step 6x slower (0.8 s -> 5 s on an MI210). LoRA's optimizer state is "
     "tiny; a smaller micro-batch with gradient accumulation (loracls' default: `--micro-batch-size` unset "
     "finds the largest that fits) or `--gradient-checkpointing` saves memory at a fraction of that cost."
 )
@@ -46,7 +46,7 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
-    """bf16 matmuls in hardware (AVX-512-BF16 or AMX); without them bf16 is emulated and far slower than fp32."""
+    """bf16 matmuls in hardware (AVX-512-BF16 or AMX); without them bf16 is emulated, far slower than fp32."""
     flags = cpu_flags() if flags is None else flags
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
@@ -84,7 +84,8 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:
             return n
     raise LoraclsError(
         "Not even a micro-batch of 1 fits in the device's memory at the longest training text. Lower "
-        "--max-length, turn on --gradient-checkpointing, use --quantize 4bit on a CUDA GPU, or use a larger device."
+        "--max-length, turn on --gradient-checkpointing, use --quantize 4bit on a CUDA GPU, or use a larger "
+        "device."
     )
 
 
