@@ -29,8 +29,8 @@ HEADROOM = 0.9
 
 OFFLOAD_COST = (
     "CPU offload moves parameters or optimizer state over PCIe at every step: in the write-up this tool "
-    "starts from, it made a LoRA training step 6x slower (0.8 s -> 5 s on an MI210). LoRA's optimizer state is "
-    "tiny; a smaller micro-batch with gradient accumulation (loracls' default: `--micro-batch-size` unset "
+    "starts from, it made a LoRA training step 6x slower (0.8 s -> 5 s on an MI210). LoRA's optimizer state "
+    "is tiny; a smaller micro-batch with gradient accumulation (loracls' default: `--micro-batch-size` unset "
     "finds the largest that fits) or `--gradient-checkpointing` saves memory at a fraction of that cost."
 )
 

@@ -16,6 +16,7 @@ import numpy as np
 import psutil
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import broadcast_object_list, set_seed
 from datasets import Dataset
 from peft import PeftModel, set_peft_model_state_dict
@@ -575,6 +576,8 @@ def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | Non
 
 def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
     """Model, LoRA, `fit()` and the test report, written into an open run folder."""
+    # an earlier run in this process (a sweep, a test) may have used another precision; the processes stay
+    AcceleratorState._reset_state()
     accelerator = Accelerator(
         cpu=cpu_only(),
         mixed_precision=mixed_precision(cfg.precision),

@@ -88,7 +88,7 @@ def prompt_options(cfg: TrainConfig, labels: list[str]) -> PromptOptions:
         calibrate=cfg.calibrate,
         seed=cfg.seed,
         max_length=cfg.max_length,
-        batch_size=cfg.batch_size,
+        batch_size=cfg.micro_batch_size or 16,
     )
 
 

@@ -1,0 +1,99 @@
+"""Precision, micro-batch and accumulation: what `--precision auto` picks, what the probe finds, and that
+accumulating micro-batches trains exactly as one large batch does."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loracls import sizing
+from loracls.config import TrainConfig
+from loracls.errors import LoraclsError
+from loracls.train import train
+
+
+def test_auto_precision_uses_bf16_only_on_cpus_that_compute_it():
+    assert sizing.mixed_precision("auto", "cpu", flags={"avx2", "fma"}) == "no"
+    assert sizing.mixed_precision("auto", "cpu", flags={"avx512f", "avx512_bf16"}) == "bf16"
+    assert sizing.mixed_precision("auto", "cpu", flags={"amx_bf16", "amx_tile"}) == "bf16"
+    assert sizing.mixed_precision("fp32", "cpu", flags={"avx512_bf16"}) == "no"
+    assert sizing.mixed_precision("bf16", "cpu", flags=set()) == "bf16"
+
+
+def test_micro_batches_divide_the_batch_largest_first():
+    assert sizing.divisors(32) == [32, 16, 8, 4, 2, 1]
+    assert sizing.divisors(24, cap=16) == [12, 8, 6, 4, 3, 2, 1]
+    tried = []
+
+    def fits(n):  # a device where at most 10 examples fit
+        tried.append(n)
+        return n <= 10
+
+    assert sizing.largest_fitting(sizing.divisors(48), fits) == 8
+    assert tried == [48, 24, 16, 12, 8]
+    with pytest.raises(LoraclsError, match="Not even a micro-batch of 1"):
+        sizing.largest_fitting([4, 2, 1], lambda n: False)
+
+
+def test_requested_micro_batch_wins_and_cpu_takes_the_cap():
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert sizing.micro_batch_size(4, 32, cpu, None, {}, ()) == (4, "set")
+    assert sizing.micro_batch_size(None, 32, cpu, None, {}, ()) == (16, "cpu cap")
+    assert sizing.micro_batch_size(None, 12, cpu, None, {}, ()) == (12, "cpu cap")
+
+
+def test_offload_is_named_from_the_launch_configuration():
+    offload = SimpleNamespace(offload_params=True)
+    fsdp = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(cpu_offload=offload)))
+    assert "FSDP" in sizing.offload_in_use(fsdp)
+    zero = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    deepspeed = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=zero))
+    )
+    assert sizing.offload_in_use(deepspeed) == "DeepSpeed offload_optimizer to cpu"
+    assert sizing.offload_in_use(SimpleNamespace(state=SimpleNamespace())) is None
+
+
+def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
+    """One optimizer step over exactly 16 training examples; its log record and the trained head."""
+    cfg = TrainConfig(
+        model=str(tiny_models["llama"]),
+        data=str(toy_csv),
+        out=str(tmp_path / name),
+        max_train_examples=16,
+        batch_size=16,
+        epochs=1,
+        lr=1e-2,
+        lora_dropout=0.0,
+        log_every=1,
+        max_length=64,
+        baseline=False,
+        **overrides,
+    )
+    _, metrics = train(cfg)
+    log = [json.loads(x) for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
+    return log[0], metrics
+
+
+def test_accumulation_gives_the_gradient_of_one_batch(tmp_path, tiny_models, toy_csv):
+    whole, _ = one_step(tmp_path, tiny_models, toy_csv, "whole", micro_batch_size=16)
+    parts, metrics = one_step(tmp_path, tiny_models, toy_csv, "parts", micro_batch_size=4)
+    assert (metrics["train"]["accumulation"], metrics["train"]["optimizer_steps"]) == (4, 1)
+    assert parts["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
+    assert parts["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    assert whole["grad_norm"] > 0
+
+
+def test_bf16_gradient_checkpointing_and_eager_attention_train(tmp_path, tiny_models, toy_csv):
+    reference, _ = one_step(tmp_path, tiny_models, toy_csv, "ref", micro_batch_size=8)
+    checkpointed, _ = one_step(
+        tmp_path, tiny_models, toy_csv, "ckpt", micro_batch_size=8, gradient_checkpointing=True
+    )
+    assert checkpointed["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+    eager, _ = one_step(tmp_path, tiny_models, toy_csv, "eager", micro_batch_size=8, attention="eager")
+    assert eager["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
+    bf16, metrics = one_step(tmp_path, tiny_models, toy_csv, "bf16", precision="bf16")
+    assert metrics["train"]["mixed_precision"] == "bf16"
+    assert bf16["grad_norm"] == pytest.approx(reference["grad_norm"], rel=0.05)  # same step, fewer bits
+    assert (tmp_path / "bf16/config.yaml").read_text().count("micro_batch_size: 16") == 1
