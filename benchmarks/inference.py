@@ -99,7 +99,7 @@ def main() -> None:
     write_result(
         args.out or RESULTS / f"inference{device_name}.json",
         {
-            "question": "texts/s of loracls predict vs transformers' text-classification pipeline, same model",
+            "question": "texts/s of loracls predict vs the transformers text-classification pipeline",
             "baseline": "pipeline (one text at a time, its default)",
             "texts": len(texts),
             "loracls_precision": mixed_precision("auto", device.type),

@@ -57,7 +57,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device, budget_s: float = 3.0) 
         flops = 2 * n**3 / min(times)
         if flops > best["flops_per_s"]:
             best = {"flops_per_s": flops, "n": n}
-        if once * repeats > budget_s:  # a larger size would not fit the budget
+        if once * 8 > budget_s:  # the next size takes 8x as long: over the budget
             break
     return best
 
