@@ -97,3 +97,11 @@ def test_bf16_gradient_checkpointing_and_eager_attention_train(tmp_path, tiny_mo
     assert metrics["train"]["mixed_precision"] == "bf16"
     assert bf16["grad_norm"] == pytest.approx(reference["grad_norm"], rel=0.05)  # same step, fewer bits
     assert (tmp_path / "bf16/config.yaml").read_text().count("micro_batch_size: 16") == 1
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones(tmp_path, tiny_models, toy_csv):
+    reference, _ = one_step(tmp_path, tiny_models, toy_csv, "eager-run", micro_batch_size=8)
+    compiled, _ = one_step(tmp_path, tiny_models, toy_csv, "compiled", micro_batch_size=8, compile=True)
+    assert compiled["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
+    assert (tmp_path / "compiled/best/adapter_model.safetensors").is_file()  # names unchanged by compiling
