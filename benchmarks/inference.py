@@ -91,7 +91,9 @@ def main() -> None:
         for name, r in results.items()
     }
     speed = {
-        f"loracls/{n}": results["loracls"]["examples_per_s"] / results[n]["examples_per_s"] for n in results
+        f"loracls/{n}": results["loracls"]["examples_per_s"] / results[n]["examples_per_s"]
+        for n in results
+        if n != "loracls"
     }
     for name in ("pipeline", "pipeline-batched"):
         print(f"loracls / {name}: {speed[f'loracls/{name}']:.2f}x; labels agree on {agree[name]:.1%}")

@@ -149,21 +149,22 @@ def micro_batch_size(
     path = probe_cache()
     cached = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     if key_text in cached:
-        return int(cached[key_text]), "cached"
-    if next(model.parameters()).device != device:
-        model.to(device)
-    was_training = model.training
-    model.train()
-    fits = fits_on_device(model, example, device, accelerator.autocast)
-    found = largest_fitting(divisors(batch_size), fits)
-    model.train(was_training)
+        found, how = int(cached[key_text]), "cached"
+    else:
+        if next(model.parameters()).device != device:
+            model.to(device)
+        was_training = model.training
+        model.train()
+        fits = fits_on_device(model, example, device, accelerator.autocast)
+        found, how = largest_fitting(divisors(batch_size), fits), "probed"
+        model.train(was_training)
     if accelerator.num_processes > 1:  # every process must accumulate the same number of micro-batches
         found = int(accelerator.gather(torch.tensor([found], device=device)).min())
-    if accelerator.is_main_process:
+    if how == "probed" and accelerator.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         cached[key_text] = found
         path.write_text(json.dumps(cached, indent=1), encoding="utf-8")
-    return found, "probed"
+    return found, how
 
 
 def offload_in_use(accelerator: Accelerator) -> str | None:

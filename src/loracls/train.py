@@ -449,6 +449,25 @@ class StopSignals:
             signal.signal(number, handler)
 
 
+def evaluation_probs(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+) -> np.ndarray:
+    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
+    return predict_probs(
+        model,
+        dataset,
+        tokenizer,
+        cfg.micro_batch_size * 2,
+        accelerator.device,
+        accelerator.autocast(),
+        accelerator,
+    )
+
+
 def validate(
     model: PeftModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -460,15 +479,7 @@ def validate(
     accelerator: Accelerator,
 ) -> dict:
     """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
-    probs = predict_probs(
-        model,
-        val_set,
-        tokenizer,
-        cfg.micro_batch_size * 2,
-        accelerator.device,
-        accelerator.autocast(),
-        accelerator,
-    )
+    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator)
     # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
     thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
     if run.main:
@@ -660,26 +671,10 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     merged = model.merge_and_unload()
     thresholds = None
     if cfg.multi_label:
-        val_probs = predict_probs(
-            merged,
-            val_set,
-            tokenizer,
-            cfg.micro_batch_size * 2,
-            accelerator.device,
-            accelerator.autocast(),
-            accelerator,
-        )
+        val_probs = evaluation_probs(merged, val_set, tokenizer, cfg, accelerator)
         thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
         run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
-    probs = predict_probs(
-        merged,
-        test_set,
-        tokenizer,
-        cfg.micro_batch_size * 2,
-        accelerator.device,
-        accelerator.autocast(),
-        accelerator,
-    )
+    probs = evaluation_probs(merged, test_set, tokenizer, cfg, accelerator)
     if run.main:
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, thresholds=thresholds)
