@@ -13,7 +13,7 @@ from loracls.errors import LoraclsError
 from loracls.model import from_pretrained
 from loracls.predict import EXPORT_INFO, Classifier, run_thresholds
 from loracls.runs import RunFolder, package_version, write_json
-from loracls.sizing import CPU_MICRO_BATCH
+from loracls.sizing import eval_batch_size
 
 
 def export_run(
@@ -47,7 +47,7 @@ def export_run(
                 "merged": not adapter_only,
                 "labels": labels,
                 "max_length": cfg.max_length,
-                "batch_size": (cfg.micro_batch_size or CPU_MICRO_BATCH) * 2,
+                "batch_size": eval_batch_size(cfg.micro_batch_size),
                 "text_column": cfg.text_column,
                 "base_model": cfg.model,
                 "run": str(run.path.resolve()),

@@ -17,7 +17,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder
-from loracls.sizing import CPU_MICRO_BATCH, inference_autocast
+from loracls.sizing import eval_batch_size, inference_autocast
 
 EXPORT_INFO = "loracls.json"
 """Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
@@ -85,7 +85,7 @@ class Classifier:
             tokenizer,
             labels,
             cfg.max_length,
-            (cfg.micro_batch_size or CPU_MICRO_BATCH) * 2,
+            eval_batch_size(cfg.micro_batch_size),
             cfg.text_column,
             run_thresholds(run, labels) if cfg.multi_label else None,
         )

@@ -72,6 +72,11 @@ def inference_autocast(device: torch.device) -> contextlib.AbstractContextManage
     return torch.autocast(device.type, dtype=dtype)
 
 
+def eval_batch_size(micro_batch_size: int | None) -> int:
+    """Examples per inference batch: twice the training micro-batch (no activations are kept for backward)."""
+    return 2 * (micro_batch_size or CPU_MICRO_BATCH)
+
+
 def divisors(n: int, cap: int | None = None) -> list[int]:
     """Divisors of `n` up to `cap`, largest first: the micro-batches that reach `n` exactly."""
     return [d for d in range(min(n, cap or n), 0, -1) if n % d == 0]

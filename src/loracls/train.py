@@ -36,7 +36,7 @@ from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
-from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
+from loracls.sizing import OFFLOAD_COST, eval_batch_size, micro_batch_size, mixed_precision, offload_in_use
 from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
 
 console = Console(stderr=True)
@@ -461,7 +461,7 @@ def evaluation_probs(
         model,
         dataset,
         tokenizer,
-        cfg.micro_batch_size * 2,
+        eval_batch_size(cfg.micro_batch_size),
         accelerator.device,
         accelerator.autocast(),
         accelerator,

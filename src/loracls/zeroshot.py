@@ -30,6 +30,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
 from loracls.model import LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
 from loracls.runs import write_json
+from loracls.sizing import CPU_MICRO_BATCH
 
 console = Console(stderr=True)
 
@@ -88,7 +89,7 @@ def prompt_options(cfg: TrainConfig, labels: list[str]) -> PromptOptions:
         calibrate=cfg.calibrate,
         seed=cfg.seed,
         max_length=cfg.max_length,
-        batch_size=cfg.micro_batch_size or 16,
+        batch_size=cfg.micro_batch_size or CPU_MICRO_BATCH,
     )
 
 
