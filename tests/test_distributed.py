@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.conftest import invoke, toy_reviews
 
@@ -26,38 +28,32 @@ def read_log(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.skipif(
-    shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun"
-)
-def test_two_processes_match_one(tiny_models, tmp_path):
-    data = tmp_path / "reviews.csv"
+@pytest.fixture(scope="module")
+def single(tiny_models, tmp_path_factory) -> tuple[Path, Path]:
+    """The data and a 1-process run with the effective batch of the 2-process runs (16 = 2 x 8)."""
+    root = tmp_path_factory.mktemp("distributed")
+    data = root / "reviews.csv"
     toy_reviews(120).to_csv(data, index=False)
-    model = tiny_models["llama"]
-    single = tmp_path / "single"
-    result = invoke("train", "--model", model, "--data", data, "--out", single, "--batch-size", "16", *COMMON)
+    run = root / "single"
+    result = invoke(
+        "train", "--model", tiny_models["llama"], "--data", data, "--out", run, "--batch-size", "16", *COMMON
+    )
     assert result.exit_code == 0, result.output
+    return data, run
 
-    multi = tmp_path / "multi"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--nproc_per_node", "2", "-m", "loracls", "train", "--model", str(model)]
-    command += ["--data", str(data), "--out", str(multi), "--batch-size", "8", *COMMON]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "batch 8 = 4 x 2 examples, x 2 process(es)" in " ".join(done.stderr.split())
 
-    # one set of outputs: each log line once, each validation example once per validation
+def launcher(name: str) -> str:
+    found = shutil.which(name, path=os.path.dirname(sys.executable))
+    if found is None:
+        pytest.skip(f"no {name} beside {sys.executable}")
+    return found
+
+
+def assert_same_run(multi: Path, single: Path) -> None:
+    """The 2-process run logged, validated and tested as the 1-process run did."""
     log, reference = read_log(multi), read_log(single)
     assert [(r["kind"], r["step"]) for r in log] == [(r["kind"], r["step"]) for r in reference]
-    for path in sorted((multi / "val_predictions").iterdir()):
-        ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
-        assert sorted(ids) == sorted(json.loads(line)["id"] for line in (multi / "data/val.jsonl").open())
-    assert sorted(p.name for p in (multi / "checkpoints/step_000012").glob("random_states_*")) == [
-        "random_states_0.pkl",
-        "random_states_1.pkl",
-    ]
-    assert json.loads((multi / "status.json").read_text())["state"] == "finished"
-
-    # the same run: DDP averages the two processes' gradients as accumulation over twice the batches would
+    # DDP averages the two processes' gradients as accumulation over twice the batches would
     for ours, theirs in zip(log, reference, strict=True):
         for key in ("loss", "val_accuracy", "val_macro_f1"):
             if key in ours:
@@ -72,3 +68,95 @@ def test_two_processes_match_one(tiny_models, tmp_path):
     ):
         pa, pb = json.loads(a)["probabilities"], json.loads(b)["probabilities"]
         assert pa == pytest.approx(pb, abs=1e-4)
+
+
+def test_two_processes_match_one(tiny_models, single, tmp_path):
+    data, reference = single
+    model = tiny_models["llama"]
+    multi = tmp_path / "multi"
+    torchrun = launcher("torchrun")
+    command = [torchrun, "--nproc_per_node", "2", "-m", "loracls", "train", "--model", str(model)]
+    command += ["--data", str(data), "--out", str(multi), "--batch-size", "8", *COMMON]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "batch 8 = 4 x 2 examples, x 2 process(es)" in " ".join(done.stderr.split())
+
+    # one set of outputs: each validation example once per validation
+    for path in sorted((multi / "val_predictions").iterdir()):
+        ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+        assert sorted(ids) == sorted(json.loads(line)["id"] for line in (multi / "data/val.jsonl").open())
+    assert sorted(p.name for p in (multi / "checkpoints/step_000012").glob("random_states_*")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
+    assert json.loads((multi / "status.json").read_text())["state"] == "finished"
+
+    assert_same_run(multi, reference)
+
+
+def test_fsdp_shards_and_matches_one_process(tiny_models, single, tmp_path):
+    """FSDP2 with the README's accelerate config: each decoder layer sharded over 2 CPU processes (see
+    tests/fsdp_cpu.py), the same result as one process, the adapter gathered whole, and a resume from a
+    sharded checkpoint that ends where the uninterrupted run did."""
+    data, reference = single
+    accelerate = launcher("accelerate")
+    config = Path(__file__).parents[1] / "configs/accelerate/fsdp-1node.yaml"
+    launch = [accelerate, "launch", "--config_file", str(config), "--num_processes", "2"]
+    launch += ["--mixed_precision", "no", "-m", "tests.fsdp_cpu", "train"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    run = tmp_path / "fsdp"
+    arguments = ["--model", str(tiny_models["llama"]), "--data", str(data), "--out", str(run)]
+    command = [*launch, *arguments, "--batch-size", "8", *COMMON]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    said = " ".join((done.stdout + done.stderr).split())
+    groups = "1 x PeftModelForSequenceClassification, 1 x Embedding, 2 x LlamaDecoderLayer"
+    assert f"FSDP: 4 shard groups over 2 processes: {groups}" in said, said[-2000:]
+    assert json.loads((run / "env.json").read_text())["distributed"] == {
+        "type": "FSDP",
+        "processes": 2,
+        "fsdp_version": 2,
+    }
+    assert (run / "checkpoints/step_000012/pytorch_model_fsdp_0").is_dir()
+    assert_same_run(run, reference)
+    # RUN/best is the whole adapter (not one process's shard) and holds the single run's weights
+    ours, theirs = (load_file(r / "best/adapter_model.safetensors") for r in (run, reference))
+    assert sorted(ours) == sorted(theirs) and len(ours) == 9  # q and v LoRA of 2 layers, and the head
+    for name, tensor in ours.items():
+        assert tensor.shape == theirs[name].shape
+        assert torch.allclose(tensor, theirs[name], atol=1e-5), name
+
+    # killed after step 8: resume from the sharded checkpoint of step 8
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints/step_000012")
+    (resumed / "status.json").write_text(json.dumps({"state": "interrupted"}))
+    done = subprocess.run(
+        [*launch, "--resume", str(resumed)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "Resumed from" in done.stdout + done.stderr
+    assert len(json.loads((resumed / "env.json").read_text())["resumes"]) == 1
+    assert_same_run(resumed, reference)
+
+
+def test_fsdp_version_1_is_refused(tiny_models, single, tmp_path):
+    data, _ = single
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env |= {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}
+    command = [
+        launcher("torchrun"),
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "tests.fsdp_cpu",
+        "train",
+        "--no-baseline",
+    ]
+    command += ["--model", str(tiny_models["llama"]), "--data", str(data), "--out", str(tmp_path / "run")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode != 0
+    said = " ".join((done.stdout + done.stderr).split())
+    assert "error: FSDP version 1 is not supported: set `fsdp_version: 2`" in said, said[-2000:]
+    assert not (tmp_path / "run/checkpoints").exists()

@@ -41,6 +41,9 @@ def test_requested_micro_batch_wins_and_cpu_takes_the_cap():
     assert sizing.micro_batch_size(4, 32, cpu, None, {}, ()) == (4, "set")
     assert sizing.micro_batch_size(None, 32, cpu, None, {}, ()) == (16, "cpu cap")
     assert sizing.micro_batch_size(None, 12, cpu, None, {}, ()) == (12, "cpu cap")
+    # FSDP: the probe would need the whole model on one GPU; nothing touches the (absent) GPU here
+    sharded = SimpleNamespace(device=torch.device("cuda"), is_fsdp2=True)
+    assert sizing.micro_batch_size(None, 64, sharded, None, {}, ()) == (16, "FSDP: not probed")
 
 
 def test_offload_is_named_from_the_launch_configuration():

@@ -5,6 +5,9 @@ RUN/checkpoints/step_NNNNNN/
     optimizer.bin, scheduler.bin, random_states_0.pkl
                                `Accelerator.save_state`: AdamW moments, schedule, RNG states
     trainer_state.json         `TrainerState`: step, position in the data, best so far, counters
+    pytorch_model_fsdp_0/, optimizer_0/
+                               under FSDP instead of optimizer.bin: the sharded model and optimizer state
+                               (accelerate saves the whole sharded model, frozen base weights included)
 
 A checkpoint is written into `step_NNNNNN.tmp` and renamed when whole, so a folder without `.tmp` is always
 complete and a failed write (disk full, a kill) leaves the previous checkpoints as they were.
@@ -19,8 +22,9 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
-from peft import set_peft_model_state_dict
+from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
 
 from loracls.errors import LoraclsError
@@ -61,17 +65,42 @@ class TrainerState:
     """The log window in progress: summed loss, micro-batches, examples, tokens and seconds."""
 
 
-def register_adapter_hooks(accelerator: Accelerator) -> None:
-    """Make `save_state`/`load_state` store the PEFT adapter (LoRA + head), not the frozen base weights."""
+def save_adapter(accelerator: Accelerator, model: torch.nn.Module, folder: Path) -> None:
+    """Write the adapter (LoRA + head) of `model` to `folder` as PEFT does.
+
+    Every process calls this: under FSDP the trainable parameters are shards (DTensors), gathered here into
+    whole tensors (a collective; the frozen base stays sharded); the main process writes.
+    """
+    model = accelerator.unwrap_model(model)
+    state = None
+    if accelerator.is_fsdp2:
+        from torch.distributed.tensor import DTensor  # only where torch has distributed support
+
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        state = {
+            name: t.full_tensor() if isinstance(t, DTensor) else t
+            for name, t in model.state_dict().items()
+            if name in trainable
+        }
+    if accelerator.is_main_process:
+        model.save_pretrained(folder, state_dict=state)
+
+
+def register_adapter_hooks(accelerator: Accelerator, model: PeftModel) -> None:
+    """Make `save_state`/`load_state` store the PEFT adapter (LoRA + head), not the frozen base weights.
+
+    Under FSDP, accelerate saves and loads the sharded model itself (no `models` reach the load hook); the
+    adapter folder is written beside it all the same, for RUN/best and for reading a checkpoint by hand.
+    """
 
     def save(models, weights, output_dir) -> None:
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(models[0]).save_pretrained(Path(output_dir) / ADAPTER)
+        save_adapter(accelerator, model, Path(output_dir) / ADAPTER)
         weights.clear()
 
     def load(models, input_dir) -> None:
-        adapter = load_peft_weights(str(Path(input_dir) / ADAPTER))
-        set_peft_model_state_dict(accelerator.unwrap_model(models[0]), adapter)
+        if models:
+            adapter = load_peft_weights(str(Path(input_dir) / ADAPTER))
+            set_peft_model_state_dict(accelerator.unwrap_model(models[0]), adapter)
         models.clear()
 
     accelerator.register_save_state_pre_hook(save)

@@ -149,6 +149,8 @@ def micro_batch_size(
     device = accelerator.device
     if device.type != "cuda":
         return divisors(batch_size, CPU_MICRO_BATCH)[0], "cpu cap"
+    if accelerator.is_fsdp2:  # the whole model on one device, as the probe runs it, may not fit
+        return divisors(batch_size, CPU_MICRO_BATCH)[0], "FSDP: not probed"
     props = torch.cuda.get_device_properties(device)
     key_text = cache_key(*key, props.name, props.total_memory, batch_size, accelerator.num_processes)
     path = probe_cache()

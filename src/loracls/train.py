@@ -9,6 +9,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import psutil
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from datasets import Dataset
 from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
@@ -105,11 +106,22 @@ def fit(
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
     loss_fn = make_loss(cfg, train_set, model.config.num_labels).to(accelerator.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    checkpoints.register_adapter_hooks(accelerator)
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP has replaced them with shards
+    checkpoints.register_adapter_hooks(accelerator, model)
+    if accelerator.is_fsdp2:
+        from torch.distributed.fsdp import FSDPModule  # only where torch has distributed support
+
+        groups = Counter(
+            type(m).__name__.removeprefix("FSDP") for m in model.modules() if isinstance(m, FSDPModule)
+        )
+        console.print(
+            f"FSDP: {sum(groups.values())} shard groups over {accelerator.num_processes} processes: "
+            + ", ".join(f"{n} x {name}" for name, n in groups.items())
+        )
     state = checkpoints.TrainerState(total_steps=total_steps)
     if resume is not None:
         state = checkpoints.load(accelerator, resume)
@@ -229,8 +241,7 @@ def fit(
                     )
                     if improved:
                         state.best_step, state.best_val, state.stale = state.step, val, 0
-                        if run.main:
-                            save_best(accelerator.unwrap_model(model), tokenizer, run)
+                        save_best(accelerator, model, tokenizer, run)
                     else:
                         state.stale += 1
                     if cfg.early_stopping_patience is not None and state.stale >= cfg.early_stopping_patience:
@@ -488,12 +499,20 @@ def validate(
     return score(splits.val, probs, splits.labels, thresholds)
 
 
-def save_best(model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder) -> None:
-    """Adapter, head and tokenizer into RUN/best, replaced in one rename; a failed write keeps the old one."""
+def save_best(
+    accelerator: Accelerator, model: PeftModel, tokenizer: PreTrainedTokenizerBase, run: RunFolder
+) -> None:
+    """Adapter, head and tokenizer into RUN/best, replaced in one rename; a failed write keeps the old one.
+
+    Every process calls this (under FSDP the adapter is gathered from all); the main one writes.
+    """
     tmp = run.file("best.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if run.main:
+        shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        checkpoints.save_adapter(accelerator, model, tmp)
+        if not run.main:
+            return
         tokenizer.save_pretrained(tmp)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -596,6 +615,11 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         log_with=cfg.track,
         project_dir=str(run.file("tracking")),
     )
+    if accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise LoraclsError(
+            "FSDP version 1 is not supported: set `fsdp_version: 2` under `fsdp_config` in the accelerate "
+            "config (see configs/accelerate/fsdp-1node.yaml) or FSDP_VERSION=2."
+        )
     start_tracking(accelerator, cfg, run)
     offload = offload_in_use(accelerator)
     if offload:
@@ -604,6 +628,11 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     env = {
         **environment(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
+        "distributed": {
+            "type": accelerator.distributed_type.value,
+            "processes": accelerator.num_processes,
+            "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version if accelerator.is_fsdp2 else None,
+        },
         "offload": offload,
         "system_rocm": facts.system_rocm,
         "driver": facts.driver,
@@ -666,9 +695,13 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
 
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, resume)
 
-    model = accelerator.unwrap_model(model)
-    set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
-    merged = model.merge_and_unload()
+    if accelerator.is_fsdp2:  # the sharded model stays sharded: the best checkpoint's shards, LoRA unmerged
+        accelerator.load_state(str(checkpoints.step_folder(run.path, result.best_step)))
+        merged = model
+    else:
+        model = accelerator.unwrap_model(model)
+        set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
+        merged = model.merge_and_unload()
     thresholds = None
     if cfg.multi_label:
         val_probs = evaluation_probs(merged, val_set, tokenizer, cfg, accelerator)
