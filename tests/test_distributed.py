@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,33 @@ def test_fsdp_version_1_is_refused(tiny_models, single, tmp_path):
     said = " ".join((done.stdout + done.stderr).split())
     assert "error: FSDP version 1 is not supported: set `fsdp_version: 2`" in said, said[-2000:]
     assert not (tmp_path / "run/checkpoints").exists()
+
+
+def test_two_nodes_match_one(tiny_models, single, tmp_path):
+    """The README's two-machine recipe, both "machines" on this one: two torchrun launchers (node_rank 0 and
+    1, one process each) meeting at a c10d rendezvous, writing one run folder that both see."""
+    data, reference = single
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "two-nodes"
+    nodes = [
+        subprocess.Popen(
+            [launcher("torchrun"), "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1"]
+            + ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "loracls-test"]
+            + ["-m", "loracls", "train", "--model", str(tiny_models["llama"]), "--data", str(data)]
+            + ["--out", str(run), "--batch-size", "8", *COMMON],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    said = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], said[0][-2000:] + said[1][-2000:]
+    assert "x 2 process(es)" in " ".join(said[0].split())
+    assert sorted(p.name for p in (run / "checkpoints/step_000012").glob("random_states_*")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
+    assert_same_run(run, reference)
