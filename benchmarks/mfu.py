@@ -6,6 +6,11 @@ to the activations and to the LoRA weights), counted with `torch.utils.flop_coun
 and fitted as a*L + b*L^2 per text of L tokens, divided by the seconds of a `loracls train` run on those
 texts. Padding computed inside a batch is not counted as useful work.
 
+Also: the GEMM ceiling of the model's own shapes. The square-matmul peak is not reachable with a hidden size
+of 640 and a micro-batch of ~800 tokens; `model_gemm` times the decoder's linear layers at the run's mean
+micro-batch of real tokens (forward, and backward to the input: frozen weights need no weight gradient),
+each shape weighted by how often the model has it. No model can beat that ceiling with these matmuls.
+
     python benchmarks/mfu.py [--steps 12] [--precision auto]
 
 Prints the table and writes benchmarks/results/mfu[_<device>].json.
@@ -17,6 +22,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +66,39 @@ def peak_flops(dtype: torch.dtype, device: torch.device, budget_s: float = 3.0) 
         if once * 8 > budget_s:  # the next size takes 8x as long: over the budget
             break
     return best
+
+
+def model_gemm(
+    cfg: TrainConfig, labels: list[str], rows: int, dtype: torch.dtype, device: torch.device
+) -> dict:
+    """FLOP/s of the decoder's linear layers at `rows` tokens: forward and backward to the input."""
+    model = load_classifier(resolve_model(cfg.model), labels)
+    shapes = Counter(
+        tuple(m.weight.shape)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and min(m.weight.shape) > len(labels)  # not the head
+    )
+    del model
+    flops = seconds = 0.0
+    for (out_features, in_features), count in shapes.items():
+        w = torch.randn(out_features, in_features, device=device, dtype=dtype)
+        x = torch.randn(rows, in_features, device=device, dtype=dtype)
+        dy = torch.randn(rows, out_features, device=device, dtype=dtype)
+        best = float("inf")
+        for _ in range(6):  # the first is a warm-up that the minimum leaves out
+            sync(device)
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)  # forward
+            dy @ w  # backward to the input
+            sync(device)
+            best = min(best, time.perf_counter() - start)
+        flops += count * 2 * 2 * rows * in_features * out_features
+        seconds += count * best
+    return {
+        "flops_per_s": flops / seconds,
+        "rows": rows,
+        "shapes": {f"{o}x{i}": n for (o, i), n in shapes.items()},
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -128,11 +167,18 @@ def main() -> None:
     achieved = flops / metrics["train"]["train_s"]
     used = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[metrics["train"]["mixed_precision"]]
     mfu = achieved / peaks[used]["flops_per_s"]
+    rows = round(metrics["train"]["micro_batch_size"] * np.mean(lengths))
+    ceiling = model_gemm(cfg, splits.labels, rows, DTYPES[used], device)
     print(
         f"\nloracls: {metrics['train']['tokens_per_s']:.0f} real tokens/s, {flops / sum(lengths) / 1e9:.3f} "
         f"GFLOP per token (mean length {np.mean(lengths):.0f}) -> {achieved / 1e9:.1f} GFLOP/s achieved"
     )
     print(f"precision {used}: {mfu:.1%} of the measured {used} peak ({peaks[used]['flops_per_s'] / 1e9:.1f})")
+    print(
+        f"the model's own GEMMs at {rows} rows: {ceiling['flops_per_s'] / 1e9:.1f} GFLOP/s "
+        f"({ceiling['flops_per_s'] / peaks[used]['flops_per_s']:.1%} of the square peak); loracls reached "
+        f"{achieved / ceiling['flops_per_s']:.1%} of it"
+    )
     device_name = "" if device.type == "cpu" else "_" + device.type
     write_result(
         args.out or RESULTS / f"mfu{device_name}.json",
@@ -153,6 +199,8 @@ def main() -> None:
             },
             "achieved_flops_per_s": achieved,
             "mfu": mfu,
+            "model_gemm": ceiling,
+            "share_of_model_gemm": achieved / ceiling["flops_per_s"],
         },
     )
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For a GPU machine (CUDA or ROCm): the three benchmarks of benchmarks/README.md with the GPU's settings
 # (precision auto = bf16 where supported, more steps, larger batches for the peak and MFU), writing
-# benchmarks/results/{train_throughput,mfu,inference,precision}_cuda.json beside the CPU results (and copies
+# benchmarks/results/{train_throughput,mfu,inference,precision,compile}_cuda.json beside the CPU results (and copies
 # to $OUT when set). Needs the repository installed (make install, with the GPU's torch wheel first).
 #   bash scripts/gpu_bench.sh
 set -euo pipefail
@@ -29,4 +29,7 @@ result["bf16/fp32 speed"] = result["bf16"]["examples_per_s"] / result["fp32"]["e
 out.write_text(json.dumps(result, indent=2) + "\n")
 print(json.dumps(result, indent=2))
 PY
+# last, as it may take a while to compile: does --compile help on the GPU?
+$PY benchmarks/train_throughput.py --steps 150 --eval 500 --ways loracls,loracls-compile \
+  --out "$R/compile_cuda.json" 2>&1 | tail -4
 if [ -n "${OUT:-}" ]; then cp "$R"/*_cuda.json "$OUT"/; fi

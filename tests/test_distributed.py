@@ -108,12 +108,14 @@ def test_fsdp_shards_and_matches_one_process(tiny_models, single, tmp_path):
 
     run = tmp_path / "fsdp"
     arguments = ["--model", str(tiny_models["llama"]), "--data", str(data), "--out", str(run)]
-    command = [*launch, *arguments, "--batch-size", "8", *COMMON]
+    with_baseline = [a for a in COMMON if a != "--no-baseline"]  # FSDP skips it, saying so
+    command = [*launch, *arguments, "--batch-size", "8", *with_baseline]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     said = " ".join((done.stdout + done.stderr).split())
     groups = "1 x PeftModelForSequenceClassification, 1 x Embedding, 2 x LlamaDecoderLayer"
     assert f"FSDP: 4 shard groups over 2 processes: {groups}" in said, said[-2000:]
+    assert "baseline: skipped under FSDP (it loads the whole model on one device)" in said
     assert json.loads((run / "env.json").read_text())["distributed"] == {
         "type": "FSDP",
         "processes": 2,

@@ -654,6 +654,11 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     baseline = None
     if cfg.baseline and cfg.multi_label:
         console.print("[dim]baseline: the prompt baseline scores single-label tasks only; skipped[/]")
+    elif cfg.baseline and accelerator.is_fsdp2:
+        console.print(
+            "[dim]baseline: skipped under FSDP (it loads the whole model on one device); run "
+            "`loracls baseline` on a device it fits[/]"
+        )
     elif cfg.baseline and resume is not None and run.file("baseline_metrics.json").is_file():
         baseline = json.loads(run.file("baseline_metrics.json").read_text(encoding="utf-8"))
     elif cfg.baseline and accelerator.is_main_process:  # the others wait for it below
