@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from loracls.runs import environment
 from loracls.sizing import cpu_flags, cpu_has_fast_bf16
@@ -68,3 +69,17 @@ def write_result(path: Path, result: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"written to {path}")
+
+
+def fitted_flops(run, lengths: list[int]) -> tuple[float, dict]:
+    """FLOPs of `run(input_ids)` over unpadded texts of these lengths: counted with `FlopCounterMode` at 32
+    and 128 tokens, fitted as a*L + b*L^2 per text (linear layers, attention), summed over `lengths`."""
+    counted = {}
+    for n in (32, 128):
+        with FlopCounterMode(display=False) as counter:
+            run(torch.randint(10, 1000, (1, n)))
+        counted[n] = counter.get_total_flops()
+    b = (counted[128] / 128 - counted[32] / 32) / (128 - 32)
+    a = counted[32] / 32 - b * 32
+    fit = {"per_token": a, "per_token_squared": b, "counted": counted}
+    return sum(a * n + b * n * n for n in lengths), fit

@@ -6,6 +6,11 @@ pipeline as its documentation calls it (one text at a time); also shown batched 
 the fairest pipeline. loracls sorts the texts by length, pads per batch, runs in inference mode and in the
 fastest precision of the device (`precision: auto`). The predicted labels must agree.
 
+The work is the same for every way: the forward FLOPs of the texts, unpadded (counted with
+`torch.utils.flop_counter`, fitted as a*L + b*L^2 per text); each way's GFLOP/s is that over its seconds, and
+its share of the square-matmul peak of its precision, measured in the same run, says how much faster any way
+could go on this machine.
+
     python benchmarks/inference.py [--texts 500] [--export FOLDER]
 
 Prints the table and writes benchmarks/results/inference[_<device>].json.
@@ -22,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, fitted_flops, write_result  # noqa: E402
+from mfu import DTYPES, peak_flops  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
 from loracls.data import load_splits  # noqa: E402
@@ -86,6 +92,19 @@ def main() -> None:
             labels, seconds = timed(fn, texts)
             results[name] = {"examples_per_s": len(texts) / seconds, "seconds": seconds, "labels": labels}
             print(f"{name}: {len(texts) / seconds:.1f} texts/s", flush=True)
+
+        # the work done, with attention as matmuls so that the counter sees it
+        lengths = [len(ids) for ids in classifier.tokenizer(texts, **length)["input_ids"]]
+        classifier.model.set_attn_implementation("eager")
+        with torch.inference_mode():
+            flops, fit = fitted_flops(lambda ids: classifier.model(input_ids=ids.to(device)), lengths)
+    ours = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[mixed_precision("auto", device.type)]
+    peaks = {p: peak_flops(DTYPES[p], device)["flops_per_s"] for p in {"fp32", ours}}
+    for name, r in results.items():
+        precision = ours if name == "loracls" else "fp32"
+        r |= {"gflops_per_s": flops / r["seconds"] / 1e9, "precision": precision}
+        r["share_of_peak"] = r["gflops_per_s"] * 1e9 / peaks[precision]
+        print(f"{name}: {r['gflops_per_s']:.1f} GFLOP/s = {r['share_of_peak']:.1%} of the {precision} peak")
     agree = {
         name: sum(a == b for a, b in zip(r["labels"], results["loracls"]["labels"], strict=True)) / len(texts)
         for name, r in results.items()
@@ -106,6 +125,10 @@ def main() -> None:
             "texts": len(texts),
             "loracls_precision": mixed_precision("auto", device.type),
             "ways": {n: {k: v for k, v in r.items() if k != "labels"} for n, r in results.items()},
+            "forward_flops": flops,
+            "mean_tokens": sum(lengths) / len(lengths),
+            "flop_fit": fit,
+            "peaks": peaks,
             "ratios": speed,
             "label_agreement_with_loracls": agree,
         },

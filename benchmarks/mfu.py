@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, fitted_flops, write_result  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
 from loracls.data import load_splits  # noqa: E402
@@ -112,19 +111,13 @@ def training_flops(cfg: TrainConfig, labels: list[str], lengths: list[int]) -> t
     model = load_classifier(path, labels, attention="eager")  # attention as matmuls, which are counted
     model, _ = apply_lora(model, cfg)
     model.train()
-    counted = {}
-    for n in (32, 128):
-        ids = torch.randint(10, 1000, (1, n))
-        with FlopCounterMode(display=False) as counter:
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-            logits.float().logsumexp(-1).sum().backward()
-        counted[n] = counter.get_total_flops()
+
+    def step(ids: torch.Tensor) -> None:
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        logits.float().logsumexp(-1).sum().backward()
         model.zero_grad(set_to_none=True)
-    # a*n + b*n^2 through the two counts
-    b = (counted[128] / 128 - counted[32] / 32) / (128 - 32)
-    a = counted[32] / 32 - b * 32
-    total = sum(a * n + b * n * n for n in lengths)
-    return total, {"per_token": a, "per_token_squared": b, "counted": counted}
+
+    return fitted_flops(step, lengths)
 
 
 def main() -> None:

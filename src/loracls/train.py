@@ -700,19 +700,20 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
 
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, resume)
 
-    if accelerator.is_fsdp2:  # the sharded model stays sharded: the best checkpoint's shards, LoRA unmerged
+    # the best step scores the test split: merged into the base, or under FSDP sharded with LoRA unmerged
+    if accelerator.is_fsdp2:
         accelerator.load_state(str(checkpoints.step_folder(run.path, result.best_step)))
-        merged = model
+        best = model
     else:
         model = accelerator.unwrap_model(model)
         set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
-        merged = model.merge_and_unload()
+        best = model.merge_and_unload()
     thresholds = None
     if cfg.multi_label:
-        val_probs = evaluation_probs(merged, val_set, tokenizer, cfg, accelerator)
+        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator)
         thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
         run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
-    probs = evaluation_probs(merged, test_set, tokenizer, cfg, accelerator)
+    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator)
     if run.main:
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, thresholds=thresholds)
