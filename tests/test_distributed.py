@@ -109,7 +109,7 @@ def test_fsdp_shards_and_matches_one_process(tiny_models, single, tmp_path):
     run = tmp_path / "fsdp"
     arguments = ["--model", str(tiny_models["llama"]), "--data", str(data), "--out", str(run)]
     with_baseline = [a for a in COMMON if a != "--no-baseline"]  # FSDP skips it, saying so
-    command = [*launch, *arguments, "--batch-size", "8", *with_baseline]
+    command = [*launch, *arguments, "--batch-size", "8", *with_baseline, "--gradient-checkpointing"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     said = " ".join((done.stdout + done.stderr).split())
@@ -144,10 +144,17 @@ def test_fsdp_shards_and_matches_one_process(tiny_models, single, tmp_path):
     assert_same_run(resumed, reference)
 
 
-def test_fsdp_version_1_is_refused(tiny_models, single, tmp_path):
+@pytest.mark.parametrize(
+    ("version", "extra", "message"),
+    [
+        ("1", [], "error: FSDP version 1 is not supported: set `fsdp_version: 2`"),
+        ("2", ["--quantize", "4bit"], "error: --quantize 4bit is not supported under FSDP"),
+    ],
+)
+def test_fsdp_refusals(tiny_models, single, tmp_path, version, extra, message):
     data, _ = single
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    env |= {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}
+    env |= {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": version}
     command = [
         launcher("torchrun"),
         "--nproc_per_node",
@@ -158,10 +165,10 @@ def test_fsdp_version_1_is_refused(tiny_models, single, tmp_path):
         "--no-baseline",
     ]
     command += ["--model", str(tiny_models["llama"]), "--data", str(data), "--out", str(tmp_path / "run")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([*command, *extra], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode != 0
     said = " ".join((done.stdout + done.stderr).split())
-    assert "error: FSDP version 1 is not supported: set `fsdp_version: 2`" in said, said[-2000:]
+    assert message in said, said[-2000:]
     assert not (tmp_path / "run/checkpoints").exists()
 
 

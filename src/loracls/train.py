@@ -18,7 +18,7 @@ import psutil
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, parse_flag_from_env, set_seed
 from datasets import Dataset
 from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
@@ -316,6 +316,11 @@ def check_requirements(cfg: TrainConfig) -> None:
     """What the config asks of the machine, checked before a run folder exists."""
     if cfg.track is not None and importlib.util.find_spec(cfg.track) is None:
         raise LoraclsError(f"--track {cfg.track} needs the package: pip install {cfg.track}")
+    if cfg.quantize and parse_flag_from_env("ACCELERATE_USE_FSDP"):  # how accelerate launch asks for FSDP
+        raise LoraclsError(
+            f"--quantize {cfg.quantize} is not supported under FSDP (loracls shards full-precision weights "
+            "only): use DDP, where each GPU holds the 4-bit base, or FSDP without --quantize."
+        )
     if cfg.quantize and cpu_only():
         check_quantization(torch.device("cpu"), None)
 
