@@ -1,9 +1,11 @@
 from dataclasses import fields
 
 import pytest
+import yaml
 
 from loracls.config import TrainConfig, field_docs, parse_overrides
 from loracls.errors import LoraclsError
+from loracls.runs import RunFolder
 
 
 def test_every_field_has_a_docstring():
@@ -27,6 +29,16 @@ def test_defaults_follow_the_recipe():
 def test_retired_grad_accum_says_what_replaced_it():
     with pytest.raises(LoraclsError, match="batch_size: B\\*A"):
         TrainConfig.load(None, {"batch_size": 16, "grad_accum": 2})
+
+
+def test_a_run_written_before_the_batch_change_reads_as_the_same_run(tmp_path):
+    old = TrainConfig().to_dict() | {"batch_size": 16, "grad_accum": 2, "micro_batch_size": None}
+    del old["micro_batch_size"]  # that version had no such key
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    cfg = RunFolder(tmp_path).read_config()
+    assert (cfg.batch_size, cfg.micro_batch_size) == (32, 16)
+    with pytest.raises(LoraclsError, match="grad_accum"):  # as a user's config file: refused, explained
+        TrainConfig.load(tmp_path / "config.yaml")
 
 
 def test_micro_batch_must_divide_the_batch():

@@ -194,11 +194,19 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-        """Build a config from an optional YAML file, then apply `overrides` (which win)."""
+    def load(
+        cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None, written: bool = False
+    ) -> TrainConfig:
+        """Build a config from an optional YAML file, then apply `overrides` (which win).
+
+        `written`: the file is a run's own config.yaml, which an earlier version may have written; its retired
+        keys are translated (a user's config with them is refused, saying what replaced them).
+        """
         values: dict[str, Any] = {}
         if path is not None:
             values.update(read_yaml_config(Path(path)))
+            if written:
+                values = upgrade(values)
         values.update(overrides or {})
         check_known_keys(values, source=str(path) if path else "overrides")
         types = field_types()
@@ -225,6 +233,17 @@ RETIRED = {
     "`batch_size: B*A` (and `micro_batch_size: B` to keep the old micro-batch).",
 }
 """Keys of earlier versions, with what replaced them."""
+
+
+def upgrade(values: dict[str, Any]) -> dict[str, Any]:
+    """A config written by an earlier version in today's keys, meaning the same run: `batch_size: B` with
+    `grad_accum: A` (B per forward pass, A passes per step) is `batch_size: B*A`, `micro_batch_size: B`."""
+    values = dict(values)
+    if "grad_accum" in values:
+        accumulated = values.pop("grad_accum") or 1
+        micro = values.get("batch_size", 16)  # its default while it meant one forward pass
+        values |= {"batch_size": micro * accumulated, "micro_batch_size": micro}
+    return values
 
 
 def check_known_keys(values: dict[str, Any], source: str) -> None:

@@ -103,7 +103,7 @@ class RunFolder:
         return Splits(*tables, labels=self.read_labels(), notes=notes)
 
     def read_config(self) -> TrainConfig:
-        return TrainConfig.load(self.path / "config.yaml")
+        return TrainConfig.load(self.path / "config.yaml", written=True)
 
     def read_labels(self) -> list[str]:
         id2label = json.loads((self.path / "labels.json").read_text(encoding="utf-8"))["id2label"]
