@@ -15,6 +15,8 @@ optimizer steps of 16 examples, trained four ways, each in its own process (so p
 - `loracls-compile` (only when asked for in `--ways`): the same with `--compile`; its compilation happens in
   the first steps and counts as training time. `steady_examples_per_s` (both loracls ways) leaves out the
   first log window, where compilation happens.
+- `loracls-random` (only when asked for): loracls with `--length-grouping 1` (random micro-batches, each
+  padded to its longest), to see what length grouping does to accuracy.
 
 Each way is scored on the same validation examples. Examples/s and real tokens/s count the time of the
 training steps only (not loading or evaluation).
@@ -50,7 +52,7 @@ from loracls.sizing import mixed_precision  # noqa: E402
 BATCH = 16
 MAX_LENGTH = 256
 WAYS = ("seed", "hf-default", "hf-matched", "loracls")
-EXTRA_WAYS = ("loracls-compile",)
+EXTRA_WAYS = ("loracls-compile", "loracls-random")
 
 
 def config(args: argparse.Namespace, out: str | None = None) -> TrainConfig:
@@ -182,6 +184,7 @@ def child(args: argparse.Namespace) -> dict:
         steady = None
         if args.way.startswith("loracls"):
             cfg.compile = args.way == "loracls-compile"
+            cfg.length_grouping = 1 if args.way == "loracls-random" else cfg.length_grouping
             run, metrics = train(cfg)
             train_s, val = metrics["train"]["train_s"], metrics["best_val"]
             precision = metrics["train"]["mixed_precision"]

@@ -131,6 +131,11 @@ def test_length_grouped_batches_cover_every_example_once():
         spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
         assert spread < 10
     assert epochs[0] != epochs[1]
+    # length_grouping 1: random batches, every example once, lengths as mixed as the data
+    batches = list(LengthGroupedBatches(lengths, batch_size=16, shuffle=True, seed=3, group=1))
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread > 60
 
 
 def test_eval_batches_are_sorted_by_length():

@@ -70,6 +70,11 @@ class TrainConfig:
     `batch_size` that fits in memory at the longest training text (probed once, cached per model, length,
     precision and device), on a CPU the largest divisor up to 16. The run's `config.yaml` stores the value
     used."""
+    length_grouping: int = 50
+    """Training micro-batches are cut from length-sorted groups of this many micro-batches (the scheme of
+    transformers' `group_by_length`): little padding, faster. 1: random micro-batches, each padded to its
+    longest text; for data where length goes with the label, where grouped micro-batches come out
+    label-skewed."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     warmup_ratio: float = 0.06
@@ -153,6 +158,7 @@ class TrainConfig:
         checks = {
             "lr": self.lr > 0,
             "batch_size": self.batch_size >= 1,
+            "length_grouping": self.length_grouping >= 1,
             "micro_batch_size": self.micro_batch_size is None
             or (
                 1 <= self.micro_batch_size <= self.batch_size and self.batch_size % self.micro_batch_size == 0

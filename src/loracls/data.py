@@ -406,22 +406,24 @@ def truncated_share(dataset: Dataset, max_length: int) -> float:
 class LengthGroupedBatches(Sampler[list[int]]):
     """Batches of similar length, so little compute is spent on padding.
 
-    Training (`shuffle=True`): shuffle, cut into mega-batches of 50 batches, sort each by length, cut into
-    batches, shuffle the batches (the scheme of transformers' `LengthGroupedSampler`). Evaluation
+    Training (`shuffle=True`): shuffle, cut into mega-batches of `group` batches, sort each by length, cut
+    into batches, shuffle the batches (the scheme of transformers' `LengthGroupedSampler`; `group=1` gives
+    random batches). Evaluation
     (`shuffle=False`): sort everything by length; callers restore the original order with the indices.
 
     The batch size is kept as `size`, not `batch_size`: accelerate's multi-process sharding would read a
     `batch_size` as "every batch is full" and skip the one short batch wherever shuffling put it.
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool, seed: int = 0):
-        self.lengths, self.size, self.shuffle, self.seed, self.epoch = (
+    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool, seed: int = 0, group: int = 50):
+        self.lengths, self.size, self.shuffle, self.seed, self.group = (
             lengths,
             batch_size,
             shuffle,
             seed,
-            0,
+            group,
         )
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -433,7 +435,7 @@ class LengthGroupedBatches(Sampler[list[int]]):
             order.sort(key=lambda i: self.lengths[i])
             return [order[i : i + self.size] for i in range(0, len(order), self.size)]
         rng.shuffle(order)
-        mega = self.size * 50
+        mega = self.size * self.group
         out = []
         for start in range(0, len(order), mega):
             chunk = sorted(order[start : start + mega], key=lambda i: self.lengths[i], reverse=True)
@@ -455,14 +457,15 @@ def make_loader(
     shuffle: bool,
     seed: int = 0,
     generator: torch.Generator | None = None,
+    group: int = 50,
 ) -> DataLoader:
-    """A loader over length-grouped batches, padded per batch to the batch's longest text.
+    """A loader over length-grouped batches (`LengthGroupedBatches`), padded per batch to its longest text.
 
     `generator` gives the loader its own RNG for the seed it draws per iterator; without one that draw comes
     from torch's global RNG, which dropout also uses.
     """
     lengths = [len(x) for x in dataset["input_ids"]]
-    sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed)
+    sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed, group)
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer), generator=generator
     )

@@ -98,7 +98,13 @@ def fit(
     """
     # the loader's own generator: a resumed run's fresh iterator must not draw from the global RNG (dropout's)
     loader = make_loader(
-        train_set, tokenizer, cfg.micro_batch_size, shuffle=True, seed=cfg.seed, generator=torch.Generator()
+        train_set,
+        tokenizer,
+        cfg.micro_batch_size,
+        shuffle=True,
+        seed=cfg.seed,
+        generator=torch.Generator(),
+        group=cfg.length_grouping,
     )
     sampler = loader.batch_sampler
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
