@@ -17,11 +17,17 @@ optimizer steps of 16 examples, trained four ways, each in its own process (so p
   first log window, where compilation happens.
 - `loracls-random` (only when asked for): loracls with `--length-grouping 1` (random micro-batches, each
   padded to its longest), to see what length grouping does to accuracy.
+- `loracls-sorted` (only when asked for): loracls with `balance_labels=false` (micro-batches cut from a plain
+  length sort, as before labels were balanced and as Trainer's `group_by_length` does).
+
+The loracls ways also report their micro-batches' padding (padded tokens / real tokens) and label skew (the
+mean total-variation distance between a micro-batch's label mix and the training set's; random batches of 16
+from a 50/50 set give about 0.1 by chance alone).
 
 Each way is scored on the same validation examples. Examples/s and real tokens/s count the time of the
 training steps only (not loading or evaluation).
 
-    python benchmarks/train_throughput.py [--steps 24] [--eval 200] [--ways seed,hf-matched,loracls]
+    python benchmarks/train_throughput.py [--steps 24] [--eval 200] [--ways seed,loracls] [--seed 0]
 
 Prints a table with the ratios and writes benchmarks/results/train_throughput[_<device>].json.
 """
@@ -35,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 
@@ -44,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, peak_memory_gb, write_result  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
-from loracls.data import load_splits, tokenize  # noqa: E402
+from loracls.data import load_splits, make_loader, tokenize  # noqa: E402
 from loracls.evaluate import predict_probs, score  # noqa: E402
 from loracls.model import load_classifier, load_tokenizer, resolve_model  # noqa: E402
 from loracls.sizing import mixed_precision  # noqa: E402
@@ -52,7 +59,7 @@ from loracls.sizing import mixed_precision  # noqa: E402
 BATCH = 16
 MAX_LENGTH = 256
 WAYS = ("seed", "hf-default", "hf-matched", "loracls")
-EXTRA_WAYS = ("loracls-compile", "loracls-random")
+EXTRA_WAYS = ("loracls-compile", "loracls-random", "loracls-sorted")
 
 
 def config(args: argparse.Namespace, out: str | None = None) -> TrainConfig:
@@ -71,8 +78,32 @@ def config(args: argparse.Namespace, out: str | None = None) -> TrainConfig:
         save_every=10**6,
         baseline=False,
         precision=args.precision,
+        seed=args.seed,
         out=out,
     )
+
+
+def batch_mix(cfg: TrainConfig, train_set) -> dict:
+    """Padding and label skew of the training micro-batches the run's loader gives (its first epoch)."""
+    loader = make_loader(
+        train_set,
+        None,
+        cfg.micro_batch_size or BATCH,
+        True,
+        cfg.seed,
+        None,
+        cfg.length_grouping,
+        cfg.balance_labels,
+    )
+    lengths, labels = [len(x) for x in train_set["input_ids"]], train_set["labels"]
+    overall = Counter(labels)
+    padded = skew = 0.0
+    batches = list(loader.batch_sampler)
+    for batch in batches:
+        padded += max(lengths[i] for i in batch) * len(batch)
+        mix = Counter(labels[i] for i in batch)
+        skew += sum(abs(mix[y] / len(batch) - n / len(labels)) for y, n in overall.items()) / 2
+    return {"padded_per_real_token": padded / sum(lengths), "label_skew": skew / len(batches)}
 
 
 def peft_model(cfg: TrainConfig, labels: list[str], tokenizer):
@@ -181,10 +212,12 @@ def child(args: argparse.Namespace) -> dict:
         splits = load_splits(cfg)
         tokenizer = load_tokenizer(resolve_model(cfg.model))
         real_tokens = sum(min(len(x), MAX_LENGTH) for x in tokenizer(list(splits.train["text"]))["input_ids"])
-        steady = None
+        steady, mix = None, {}
         if args.way.startswith("loracls"):
             cfg.compile = args.way == "loracls-compile"
             cfg.length_grouping = 1 if args.way == "loracls-random" else cfg.length_grouping
+            cfg.balance_labels = args.way != "loracls-sorted"
+            mix = batch_mix(cfg, tokenize(splits.train, tokenizer, MAX_LENGTH, splits.label2id))
             run, metrics = train(cfg)
             train_s, val = metrics["train"]["train_s"], metrics["best_val"]
             precision = metrics["train"]["mixed_precision"]
@@ -221,6 +254,7 @@ def child(args: argparse.Namespace) -> dict:
         "val_examples": len(splits.val),
         "val_accuracy": val["accuracy"],
         "val_macro_f1": val["macro_f1"],
+        **mix,
     }
 
 
@@ -231,6 +265,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps of 16 examples (one epoch)")
     parser.add_argument("--eval", type=int, default=200, help="validation examples")
     parser.add_argument("--precision", default="auto", help="loracls' --precision (and hf-matched's)")
+    parser.add_argument("--seed", type=int, default=0, help="every way's seed (data split, order, LoRA init)")
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--way", choices=WAYS + EXTRA_WAYS, help=argparse.SUPPRESS)
@@ -245,7 +280,7 @@ def main() -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             command = [sys.executable, __file__, "--way", way, "--child-out", out.name]
             command += ["--model", args.model, "--data", args.data, "--steps", str(args.steps)]
-            command += ["--eval", str(args.eval), "--precision", args.precision]
+            command += ["--eval", str(args.eval), "--precision", args.precision, "--seed", str(args.seed)]
             subprocess.run(command, check=True)
             results[way] = json.loads(Path(out.name).read_text())
         r = results[way]
@@ -268,16 +303,17 @@ def main() -> None:
             gap = results["loracls"]["val_accuracy"] - results[base]["val_accuracy"]
             ratios[f"loracls/{base}"] = {"speed": speed, "val_accuracy_gap": gap}
             print(f"loracls / {base}: {speed:.2f}x examples/s, val accuracy {gap:+.3f}")
-    if "loracls" in results and "loracls-compile" in results:
-        ours, compiled = results["loracls"], results["loracls-compile"]
-        ratios["loracls-compile/loracls"] = {
-            "speed": compiled["examples_per_s"] / ours["examples_per_s"],
-            "steady_speed": compiled["steady_examples_per_s"] / ours["steady_examples_per_s"],
-            "val_accuracy_gap": compiled["val_accuracy"] - ours["val_accuracy"],
+    for way in (w for w in EXTRA_WAYS if "loracls" in results and w in results):
+        ours, other = results["loracls"], results[way]
+        ratios[f"{way}/loracls"] = {
+            "speed": other["examples_per_s"] / ours["examples_per_s"],
+            "steady_speed": other["steady_examples_per_s"] / ours["steady_examples_per_s"],
+            "val_accuracy_gap": other["val_accuracy"] - ours["val_accuracy"],
         }
         print(
-            "loracls --compile / loracls: {speed:.2f}x examples/s, {steady_speed:.2f}x after the first log "
-            "window, val accuracy {val_accuracy_gap:+.3f}".format(**ratios["loracls-compile/loracls"])
+            f"{way} / loracls: "
+            + "{speed:.2f}x examples/s, {steady_speed:.2f}x after the first log "
+            "window, val accuracy {val_accuracy_gap:+.3f}".format(**ratios[f"{way}/loracls"])
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = args.out or RESULTS / f"train_throughput{'' if device == 'cpu' else '_' + device}.json"
@@ -295,6 +331,7 @@ def main() -> None:
                 "max_length": MAX_LENGTH,
                 "optimizer_steps": args.steps,
                 "precision": args.precision,
+                "seed": args.seed,
             },
             "ways": results,
             "ratios": ratios,

@@ -105,6 +105,7 @@ def fit(
         seed=cfg.seed,
         generator=torch.Generator(),
         group=cfg.length_grouping,
+        balance_labels=cfg.balance_labels,
     )
     sampler = loader.batch_sampler
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
