@@ -33,10 +33,12 @@ def test_retired_grad_accum_says_what_replaced_it():
 
 def test_a_run_written_before_the_batch_change_reads_as_the_same_run(tmp_path):
     old = TrainConfig().to_dict() | {"batch_size": 16, "grad_accum": 2, "micro_batch_size": None}
-    del old["micro_batch_size"]  # that version had no such key
+    del old["micro_batch_size"], old["balance_labels"]  # that version had no such keys
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     cfg = RunFolder(tmp_path).read_config()
     assert (cfg.batch_size, cfg.micro_batch_size) == (32, 16)
+    assert cfg.balance_labels is False  # its batches were sorted by length alone: a resume keeps them so
+    assert TrainConfig().balance_labels is True
     with pytest.raises(LoraclsError, match="grad_accum"):  # as a user's config file: refused, explained
         TrainConfig.load(tmp_path / "config.yaml")
 
