@@ -428,15 +428,8 @@ class LengthGroupedBatches(Sampler[list[int]]):
         group: int = 50,
         labels: list[str] | None = None,
     ):
-        self.lengths, self.size, self.shuffle, self.seed, self.group = (
-            lengths,
-            batch_size,
-            shuffle,
-            seed,
-            group,
-        )
-        self.labels = labels
-        self.epoch = 0
+        self.lengths, self.labels, self.size, self.group = lengths, labels, batch_size, group
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
