@@ -22,6 +22,7 @@ from tests.conftest import invoke, toy_reviews
 COMMON = [
     *("--epochs", "2", "--micro-batch-size", "2", "--lr", "5e-3", "--max-length", "64", "--eval-every", "3"),
     *("--log-every", "1", "--lora-dropout", "0", "--no-baseline", "--save-every", "4"),
+    *("--precision", "fp32"),  # bf16 (auto on CPUs with AVX-512-BF16) rounds each process's sums apart
 ]
 
 
@@ -45,8 +46,7 @@ def single(tiny_models, tmp_path_factory) -> tuple[Path, Path]:
 
 def launcher(name: str) -> str:
     found = shutil.which(name, path=os.path.dirname(sys.executable))
-    if found is None:
-        pytest.skip(f"no {name} beside {sys.executable}")
+    assert found is not None, f"no {name} beside {sys.executable}: torch and accelerate install it"
     return found
 
 
@@ -200,3 +200,45 @@ def test_two_nodes_match_one(tiny_models, single, tmp_path):
         "random_states_1.pkl",
     ]
     assert_same_run(run, reference)
+
+
+def test_ddp_processes_share_the_baseline(tiny_models, single, tmp_path):
+    """Under DDP every process scores a share of the baseline's prompts (before, rank 0 scored them all while
+    the others waited at a barrier that times out after 10 minutes); the result is the one-process one."""
+    from loracls.model import load_tokenizer
+    from loracls.runs import RunFolder
+    from loracls.zeroshot import load_causal_lm, prompt_options, run_baseline
+
+    data, _ = single
+    model = str(tiny_models["llama"])
+    run = tmp_path / "ddp-baseline"
+    command = [launcher("torchrun"), "--nproc_per_node", "2", "-m", "loracls", "train", "--model", model]
+    options = [a for a in COMMON if a != "--no-baseline"]
+    options[options.index("--epochs") + 1] = "0.5"
+    command += ["--data", str(data), "--out", str(run), "--batch-size", "8", *options]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((run / "baseline_metrics.json").read_text())
+    assert metrics["processes"] == 2
+
+    folder = RunFolder(run)
+    cfg, labels = folder.read_config(), folder.read_labels()
+    alone = run_baseline(
+        load_causal_lm(model),
+        load_tokenizer(model),
+        folder.read_split("test"),
+        labels,
+        folder.read_split("train"),
+        prompt_options(cfg, labels),
+        tmp_path / "alone",
+    )
+    for key in ("uncalibrated", "calibrated", "swapped_order"):
+        assert metrics[key]["accuracy"] == alone[key]["accuracy"]
+    shared, single_process = (
+        [json.loads(line) for line in (where / "baseline_predictions.jsonl").read_text().splitlines()]
+        for where in (run, tmp_path / "alone")
+    )
+    assert len(shared) == len(single_process) == len(folder.read_split("test"))
+    for ours, theirs in zip(shared, single_process, strict=True):
+        assert ours["id"] == theirs["id"]
+        assert ours["log_probs"] == pytest.approx(theirs["log_probs"], abs=1e-5)

@@ -248,3 +248,30 @@ def test_failed_best_write_keeps_the_previous_best(monkeypatch, tiny_models, toy
     message = " ".join(result.output.split())
     assert "Could not write the new best checkpoint" in message and "previous best is intact" in message
     assert (out / "best/adapter_model.safetensors").is_file() and not (out / "best.tmp").exists()
+
+
+def test_fp16_scaler_steps_past_a_nan_loss(monkeypatch, tiny_models, toy_csv, tmp_path):
+    """fp16 with loss scaling (what `auto` picks on a GPU without bf16) and --skip-nonfinite: after a NaN
+    loss the scaler must still step and update; skipping `optimizer.step()` left it unscaled and the next
+    step raised "unscale_() has already been called on this optimizer since the last update()"."""
+    init, scalers = Accelerator.__init__, []
+
+    def with_scaler(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.mixed_precision == "fp16":  # accelerate gives a CPU no scaler; a GPU's fp16 run has one
+            self.native_amp, self.scaler = True, torch.amp.GradScaler("cpu")
+            scalers.append(self.scaler)
+
+    monkeypatch.setattr(Accelerator, "__init__", with_scaler)
+    nan_at(monkeypatch, {8})  # optimizer step 5
+    out = tmp_path / "run"
+    args = [*train_args(tiny_models["llama"], toy_csv, out), "--precision", "fp16", "--skip-nonfinite", "1"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "skipped"] == [5]
+    assert log[-1]["step"] == 48 and all(r["loss"] == r["loss"] for r in log if r["kind"] == "train")
+    # the scaler saw the NaN step: its scale was halved (from 2**16) at least once
+    assert len(scalers) == 1 and scalers[0].get_scale() < 2.0**16
+    weights = load_file(out / "best/adapter_model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())

@@ -7,6 +7,7 @@ import io
 import json
 import re
 import shutil
+from types import SimpleNamespace
 
 import matplotlib.image
 import pytest
@@ -45,6 +46,14 @@ def test_every_run_writes_a_self_contained_report(trained):
     if wrong:
         most = max(wrong, key=lambda p: p["probabilities"][p["predicted"]])
         assert most["text"].replace("&", "&amp;") in page  # the most confident mistake is listed
+    else:
+        assert "No mistakes." in page
+    # a finished run's report says so; results come first, the configuration last and folded
+    assert "did not finish" not in page
+    order = [
+        page.index(f'id="{name}"') for name in ("baseline", "per-class", "confusion", "curves", "config")
+    ]
+    assert order == sorted(order) and "<details>" in page[order[-1] :]
     evals = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in evals if r["kind"] == "eval"]
     for a, b in zip(steps, steps[1:], strict=False):
@@ -110,3 +119,38 @@ def test_tracking_without_its_package_is_refused_clearly(monkeypatch, tiny_model
     result = invoke("train", *args, "--track", "mlflow", *FAST)
     assert result.exit_code == 2 and "--track mlflow needs the package: pip install mlflow" in result.output
     assert not (tmp_path / "run").exists()  # refused before the run started
+
+
+def test_chinese_label_names_get_a_cjk_font_or_a_note(tiny_models, tmp_path, monkeypatch):
+    """matplotlib's default font has no CJK glyphs: 正面/负面 were drawn as empty boxes."""
+    import warnings
+
+    from loracls import report
+    from tests.conftest import FAST, toy_reviews
+
+    data = tmp_path / "zh.csv"
+    table = toy_reviews(60)
+    table["label"] = table["label"].map({"positive": "正面", "negative": "负面"})
+    table.to_csv(data, index=False)
+    out = tmp_path / "run"
+    result = invoke(
+        "train", "--model", tiny_models["llama"], "--data", data, "--out", out, "--no-baseline", *FAST
+    )
+    assert result.exit_code == 0, result.output
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        page = report.build_report(out).read_text()
+    missing = [w for w in caught if "missing from font" in str(w.message)]
+    installed = {f.name for f in report.font_manager.fontManager.ttflist}
+    if set(report.CJK_FONTS) & installed:
+        assert not missing and "No font with Chinese" not in page
+    else:
+        assert "No font with Chinese" in page and "fonts-noto-cjk" in page
+    # with a CJK font (faked as the first in the list), it is put in front of the default one
+    monkeypatch.setattr(
+        report.font_manager.fontManager, "ttflist", [SimpleNamespace(name="WenQuanYi Zen Hei")]
+    )
+    monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
+    assert report.use_cjk_font(["正面", "负面"]) is None
+    assert report.plt.rcParams["font.sans-serif"][0] == "WenQuanYi Zen Hei"
+    assert report.use_cjk_font(["positive", "negative"]) is None

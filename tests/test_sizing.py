@@ -72,7 +72,8 @@ def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
         log_every=1,
         max_length=64,
         baseline=False,
-        **overrides,
+        # fp32 unless a test asks: `auto` is bf16 on CPUs with AVX-512-BF16, which rounds sums apart
+        **{"precision": "fp32", **overrides},
     )
     _, metrics = train(cfg)
     log = [json.loads(x) for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
@@ -108,3 +109,30 @@ def test_compiled_layers_train_like_eager_ones(tmp_path, tiny_models, toy_csv):
     compiled, _ = one_step(tmp_path, tiny_models, toy_csv, "compiled", micro_batch_size=8, compile=True)
     assert compiled["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
     assert (tmp_path / "compiled/best/adapter_model.safetensors").is_file()  # names unchanged by compiling
+
+
+def test_the_probe_leaves_the_random_stream_as_it_was(monkeypatch):
+    """The probe's passes draw dropout masks: without a forked RNG a seed's first (probed) run and its later
+    (cached) runs would train differently."""
+
+    def fits_on_device(model, example, device, autocast):
+        def fits(n):
+            torch.nn.functional.dropout(torch.ones(n, 4), 0.5, training=True)
+            return n <= 4
+
+        return fits
+
+    monkeypatch.setattr(sizing, "fits_on_device", fits_on_device)
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    assert sizing.probe(model, {}, 16, torch.device("cpu"), None) == 4
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_inference_runs_on_cuda_then_mps_then_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert sizing.inference_device() == torch.device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert sizing.inference_device() == torch.device("cpu")

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from loracls.config import TrainConfig
 from loracls.train import train
@@ -53,3 +54,31 @@ def test_early_stopping_after_patience(tmp_path, tiny_models, toy_csv):
     evals = [r for r in log if r["kind"] == "eval"]
     assert [r["best"] for r in evals] == [True, False, False]
     assert metrics["train"]["optimizer_steps"] == 3 and metrics["best_val"]["step"] == 1
+
+
+def test_a_short_last_window_weighs_as_a_full_one():
+    """10 micro-batches in windows of 4: the last window has 2, each counted twice as much, so that its
+    gradient is their mean as a full window's is (accelerate divides every loss by 4)."""
+    from accelerate import Accelerator
+
+    from loracls.train import window_weight
+
+    assert [window_weight(b, 10, 4) for b in range(1, 11)] == [1] * 8 + [2, 2]
+    assert {window_weight(b, 8, 4) for b in range(1, 9)} == {1}
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    weight = torch.nn.Parameter(torch.ones(3))
+    model = torch.nn.Linear(3, 1)
+    batches = [torch.full((1, 3), float(i)) for i in range(1, 11)]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    model, loader = accelerator.prepare(model, loader)
+    grads = []
+    for b, x in enumerate(loader, start=1):
+        with accelerator.accumulate(model):
+            loss = (model(x) * weight.sum()).sum()
+            accelerator.backward(loss * window_weight(b, len(loader), 4))
+            if accelerator.sync_gradients:
+                grads.append(model.weight.grad.clone())
+                model.zero_grad()
+    # the mean input of each window: (1+2+3+4)/4, (5+..+8)/4, (9+10)/2, times d loss / d w = 3
+    assert [float(g[0, 0]) for g in grads] == pytest.approx([7.5, 19.5, 28.5])

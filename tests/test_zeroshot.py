@@ -222,3 +222,26 @@ def test_no_baseline_skips_it(tiny_models, toy_csv, tmp_path):
     assert (out / "test_predictions.jsonl").read_text() == (
         with_baseline / "test_predictions.jsonl"
     ).read_text()
+
+
+def test_baseline_command_runs_on_the_inference_device_in_auto_precision(tiny_models, tmp_path, monkeypatch):
+    """`loracls baseline` used to load the LM on the CPU in fp32 whatever the machine; a ROCm or CUDA user's
+    baseline runs on the GPU in the precision `auto` picks there."""
+    from transformers import Qwen3ForCausalLM
+
+    asked, seen = [], []
+    monkeypatch.setattr(zeroshot, "inference_device", lambda: asked.append(1) or torch.device("cpu"))
+    monkeypatch.setattr("loracls.sizing.cpu_has_fast_bf16", lambda flags=None: True)  # auto = bf16 here
+    forward = Qwen3ForCausalLM.forward
+
+    def recording(self, *args, **kwargs):
+        seen.append((next(self.parameters()).device.type, torch.is_autocast_enabled("cpu")))
+        seen[-1] += (torch.get_autocast_dtype("cpu"),)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "forward", recording)
+    data = tmp_path / "test.csv"
+    toy_reviews(6, seed=5).to_csv(data, index=False)
+    result = invoke("baseline", "--model", tiny_models["qwen3"], "--data", data)
+    assert result.exit_code == 0, result.output
+    assert asked and seen and set(seen) == {("cpu", True, torch.bfloat16)}

@@ -145,13 +145,7 @@ def baseline(
 ) -> None:
     """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
     from loracls.model import load_tokenizer, resolve_model
-    from loracls.zeroshot import (
-        baseline_line,
-        load_baseline_data,
-        load_causal_lm,
-        prompt_options,
-        run_baseline,
-    )
+    from loracls.zeroshot import baseline_line, baseline_on_device, load_baseline_data, prompt_options
 
     try:
         cfg = TrainConfig(
@@ -172,8 +166,8 @@ def baseline(
         table, shots_from, labels = load_baseline_data(data, split, train, cfg)
         path = resolve_model(model)
         tokenizer = load_tokenizer(path)
-        metrics = run_baseline(
-            load_causal_lm(path), tokenizer, table, labels, shots_from, prompt_options(cfg, labels), out
+        metrics = baseline_on_device(
+            path, tokenizer, table, labels, shots_from, prompt_options(cfg, labels), out
         )
     except LoraclsError as e:
         fail(e)

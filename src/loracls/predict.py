@@ -17,14 +17,10 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder
-from loracls.sizing import eval_batch_size, inference_autocast
+from loracls.sizing import eval_batch_size, inference_autocast, inference_device
 
 EXPORT_INFO = "loracls.json"
 """Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def merge_adapter(
@@ -81,7 +77,7 @@ class Classifier:
             cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle, cfg.multi_label
         )
         return cls(
-            model.to(device or default_device()).eval(),
+            model.to(device or inference_device()).eval(),
             tokenizer,
             labels,
             cfg.max_length,
@@ -102,7 +98,7 @@ class Classifier:
                 info["base_model"], path, info["labels"], multi_label=multi_label
             )
         return cls(
-            model.to(device or default_device()).eval(),
+            model.to(device or inference_device()).eval(),
             tokenizer,
             info["labels"],
             info["max_length"],

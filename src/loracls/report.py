@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
+from matplotlib import font_manager  # noqa: E402
 
 from loracls.runs import RunFolder, write_text  # noqa: E402
 
@@ -30,6 +31,45 @@ img { max-width: 100%; }
 """
 MAX_ROWS = 25
 """Examples listed per table of mistakes or flips."""
+
+CJK_FONTS = (
+    "Noto Sans CJK SC",
+    "Noto Sans CJK JP",
+    "Noto Sans SC",
+    "Source Han Sans SC",
+    "WenQuanYi Zen Hei",
+    "WenQuanYi Micro Hei",
+    "Droid Sans Fallback",
+    "AR PL UMing CN",
+    "Microsoft YaHei",
+    "SimHei",
+    "PingFang SC",
+    "Hiragino Sans GB",
+)
+"""Fonts with Chinese (and mostly Japanese/Korean) glyphs, tried in this order after matplotlib's default,
+which has none: without one, Chinese label names are drawn as empty boxes."""
+
+
+def needs_cjk(labels: list[str]) -> bool:
+    return any("\u2e80" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" for label in labels for c in label)
+
+
+def use_cjk_font(labels: list[str]) -> str | None:
+    """Put an installed CJK font behind the default one when a label needs it; returns a note to show when
+    none is installed (None when all is well)."""
+    if not needs_cjk(labels):
+        return None
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    found = [name for name in CJK_FONTS if name in installed]
+    if not found:
+        return (
+            "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show as "
+            "boxes; install one (Debian/Ubuntu: apt-get install fonts-noto-cjk) and run `loracls report RUN`."
+        )
+    if plt.rcParams["font.sans-serif"][0] != found[0]:
+        plt.rcParams["font.sans-serif"] = [found[0], *plt.rcParams["font.sans-serif"]]
+    plt.rcParams["font.family"] = "sans-serif"
+    return None
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -181,6 +221,7 @@ def build_report(run_dir: str | Path) -> Path:
     log = read_jsonl(run.file("train_log.jsonl"))
     labels = run.read_labels()
     best_step = metrics.get("best_val", {}).get("step")
+    font_note = use_cjk_font(labels)
     plots: dict[str, bytes] = {}
     if log:
         plots["curves"] = curves_plot(log, best_step)
@@ -197,32 +238,13 @@ def build_report(run_dir: str | Path) -> Path:
     parts = [f"<h1>loracls run {html.escape(run.path.name)}</h1>"]
     if status != "finished":
         parts.append(f'<p class="note">This run did not finish (status: {html.escape(str(status))}).</p>')
+    if font_note:
+        parts.append(f'<p class="note">{html.escape(font_note)}</p>')
     if test:
         parts.append(
             f"<p><b>test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}</b> on {test['n']} "
             f"examples; best validation step {best_step}.</p>"
         )
-
-    parts.append('<h2 id="config">Configuration and environment</h2>')
-    parts.append(table(["key", "value"], [[k, v] for k, v in config.items()]))
-    keys = (
-        "backend",
-        "name",
-        "device",
-        "mixed_precision",
-        "torch",
-        "torch_hip",
-        "torch_cuda",
-        "transformers",
-        "peft",
-        "accelerate",
-        "python",
-        "platform",
-    )
-    parts.append(table(["environment", "value"], [[k, env[k]] for k in keys if env.get(k) is not None]))
-
-    parts.append('<h2 id="curves">Training curves</h2>')
-    parts.append(img(plots["curves"], "training curves") if "curves" in plots else "<p>No training log.</p>")
 
     parts.append('<h2 id="baseline">Prompt baseline vs fine-tuned</h2>')
     baseline = metrics.get("baseline")
@@ -264,6 +286,9 @@ def build_report(run_dir: str | Path) -> Path:
             header = ["label", "true negative", "false positive", "false negative", "true positive"]
             parts.append(table(header, rows, {1, 2, 3, 4}))
 
+    parts.append('<h2 id="curves">Training curves</h2>')
+    parts.append(img(plots["curves"], "training curves") if "curves" in plots else "<p>No training log.</p>")
+
     parts.append('<h2 id="mistakes">Most confident mistakes (test)</h2>')
     wrong = mistakes(read_jsonl(run.file("test_predictions.jsonl")))
     rows = [[p["text"], p["gold"], p["predicted"], confidence(p)] for p in wrong[:MAX_ROWS]]
@@ -283,6 +308,25 @@ def build_report(run_dir: str | Path) -> Path:
             f"<p>{len(examples)} examples predicted differently at the first and the best validation:</p>"
         )
         parts.append(table(["text", "gold", "first", "best"], examples[:MAX_ROWS]))
+
+    parts.append('<h2 id="config">Configuration and environment</h2><details><summary>show</summary>')
+    parts.append(table(["key", "value"], [[k, v] for k, v in config.items()]))
+    keys = (
+        "backend",
+        "name",
+        "device",
+        "mixed_precision",
+        "torch",
+        "torch_hip",
+        "torch_cuda",
+        "transformers",
+        "peft",
+        "accelerate",
+        "python",
+        "platform",
+    )
+    parts.append(table(["environment", "value"], [[k, env[k]] for k in keys if env.get(k) is not None]))
+    parts.append("</details>")
 
     out = run.file("report.html")
     write_text(out, page(f"loracls {run.path.name}", parts))

@@ -64,6 +64,15 @@ def mixed_precision(precision: str, device_type: str | None = None, flags: set[s
     return "no"
 
 
+def inference_device() -> torch.device:
+    """Where inference runs by default: a CUDA/ROCm GPU, else Apple's MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
 def inference_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast to the fastest precision the device supports (`precision: auto`), for inference."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision("auto", device.type))
@@ -131,6 +140,25 @@ def fits_on_device(
     return fits
 
 
+def probe(
+    model: torch.nn.Module, example: dict[str, torch.Tensor], batch_size: int, device: torch.device, autocast
+) -> int:
+    """The largest divisor of `batch_size` whose forward and backward pass fits on `device`.
+
+    The probe's passes draw dropout masks; it runs on a forked RNG so that the run's random stream is the
+    same whether the micro-batch was probed (a seed's first run) or read from the cache (every later one).
+    """
+    if next(model.parameters()).device != device:
+        model.to(device)
+    was_training = model.training
+    model.train()
+    devices = [] if device.type != "cuda" else [device.index or torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices):
+        found = largest_fitting(divisors(batch_size), fits_on_device(model, example, device, autocast))
+    model.train(was_training)
+    return found
+
+
 def micro_batch_size(
     requested: int | None,
     batch_size: int,
@@ -158,13 +186,7 @@ def micro_batch_size(
     if key_text in cached:
         found, how = int(cached[key_text]), "cached"
     else:
-        if next(model.parameters()).device != device:
-            model.to(device)
-        was_training = model.training
-        model.train()
-        fits = fits_on_device(model, example, device, accelerator.autocast)
-        found, how = largest_fitting(divisors(batch_size), fits), "probed"
-        model.train(was_training)
+        found, how = probe(model, example, batch_size, device, accelerator.autocast), "probed"
     if accelerator.num_processes > 1:  # every process must accumulate the same number of micro-batches
         found = int(accelerator.gather(torch.tensor([found], device=device)).min())
     if how == "probed" and accelerator.is_main_process:

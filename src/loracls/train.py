@@ -108,6 +108,7 @@ def fit(
         balance_labels=cfg.balance_labels,
     )
     sampler = loader.batch_sampler
+    accum = accumulation(cfg)
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accumulation(cfg))
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
@@ -171,21 +172,17 @@ def fit(
                 with accelerator.accumulate(model):
                     labels = batch.pop("labels")
                     loss = loss_fn(model(**batch).logits.float(), labels)
-                    accelerator.backward(loss)
+                    # accelerate divides every loss by the accumulation count; a short last window of an
+                    # epoch would weigh less than a full one
+                    accelerator.backward(loss * window_weight(state.batches_in_epoch, len(loader), accum))
                     step_loss += float(loss.detach())
                     step_micro += 1
                     state.window_examples += len(labels)
                     state.window_tokens += int(batch["attention_mask"].sum())
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
-                        # under fp16 the loss scaler skips steps with inf gradients itself
-                        nonfinite = agree(
-                            accelerator,
-                            not math.isfinite(step_loss)
-                            or (accelerator.scaler is None and not torch.isfinite(grad_norm)),
+                        grad_norm, nonfinite = optimizer_step(
+                            accelerator, optimizer, params, cfg.max_grad_norm, step_loss
                         )
-                        if not nonfinite:
-                            optimizer.step()
                         scheduler.step()
                     optimizer.zero_grad()
                 if not accelerator.sync_gradients:
@@ -282,6 +279,35 @@ def fit(
         state.train_s,
         time.perf_counter() - start,
     )
+
+
+def optimizer_step(
+    accelerator: Accelerator,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    max_grad_norm: float,
+    loss: float,
+) -> tuple[torch.Tensor, bool]:
+    """Clip and apply the accumulated update; returns the gradient norm and whether the step was non-finite.
+
+    A non-finite step's update is not applied. Under fp16 the loss scaler decides that itself: clipping has
+    unscaled the gradients, and its `step` (which skips an update with inf/NaN gradients) must run so that
+    `update` lowers the scale and resets it for the next step; an overflowing scaled gradient is the scaler's
+    normal search for a scale and not counted, a non-finite loss is.
+    """
+    grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
+    scaled = accelerator.scaler is not None
+    nonfinite = agree(accelerator, not math.isfinite(loss) or (not scaled and not torch.isfinite(grad_norm)))
+    if scaled or not nonfinite:
+        optimizer.step()
+    return grad_norm, nonfinite
+
+
+def window_weight(batch: int, batches: int, accumulation: int) -> float:
+    """Factor on the loss of micro-batch `batch` (1-based) of an epoch of `batches`, so that the epoch's
+    short last accumulation window (when `accumulation` does not divide `batches`) weighs as a full one."""
+    short = batches % accumulation
+    return accumulation / short if short and batch > batches - short else 1.0
 
 
 def accumulation(cfg: TrainConfig) -> int:
@@ -613,6 +639,8 @@ def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | Non
         run.set_status("failed", error=f"{type(e).__name__}: {e}")
         raise
     run.set_status("finished")
+    if run.main:  # after the status: the report says whether the run finished
+        console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     return run, metrics
 
 
@@ -673,12 +701,11 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         )
     elif cfg.baseline and resume is not None and run.file("baseline_metrics.json").is_file():
         baseline = json.loads(run.file("baseline_metrics.json").read_text(encoding="utf-8"))
-    elif cfg.baseline and accelerator.is_main_process:  # the others wait for it below
+    elif cfg.baseline:  # every process scores a share
         baseline = baseline_for_run(
-            model_path, tokenizer, splits, cfg, run.path, accelerator.device, accelerator.autocast()
+            model_path, tokenizer, splits, cfg, run.path if run.main else None, accelerator
         )
         console.print(baseline_line(baseline))
-    accelerator.wait_for_everyone()
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     model = load_classifier(
         model_path,
@@ -758,6 +785,4 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     test = metrics["test"]
     accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
     accelerator.end_training()
-    if run.main:
-        console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     return metrics

@@ -6,6 +6,7 @@ tokens) is read from the logits, computed only at the positions that predict tho
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import gather_object
 from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -30,7 +33,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
 from loracls.model import LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
 from loracls.runs import write_json
-from loracls.sizing import CPU_MICRO_BATCH
+from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
 
 console = Console(stderr=True)
 
@@ -113,29 +116,60 @@ def load_baseline_data(
     return table, train, labels
 
 
+def baseline_on_device(
+    model_path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    table: pd.DataFrame,
+    labels: list[str],
+    train: pd.DataFrame | None,
+    options: PromptOptions,
+    out: Path | None = None,
+    device: torch.device | None = None,
+    autocast: contextlib.AbstractContextManager | None = None,
+    processes: PartialState | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> dict:
+    """`run_baseline` with the LM loaded onto `device` (default: the GPU when there is one) under
+    `autocast` (default: the precision `auto` picks there); the LM is freed afterwards.
+
+    With `processes` (several), each scores its share of the prompts and all get the whole result.
+    """
+    device = device or inference_device()
+    model = load_causal_lm(model_path, trust_remote_code, allow_pickle).to(device)
+    with autocast or inference_autocast(device):
+        metrics = run_baseline(model, tokenizer, table, labels, train, options, out, processes)
+    del model
+    return metrics
+
+
 def baseline_for_run(
     model_path: str,
     tokenizer: PreTrainedTokenizerBase,
     splits: Splits,
     cfg: TrainConfig,
-    out: Path,
-    device: torch.device,
-    autocast,
+    out: Path | None,
+    accelerator: Accelerator,
 ) -> dict:
-    """The baseline a training run reports next to its test metrics; the LM is freed afterwards."""
-    model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(device)
-    with autocast:
-        metrics = run_baseline(
-            model,
-            tokenizer,
-            splits.test,
-            splits.labels,
-            splits.train,
-            prompt_options(cfg, splits.labels),
-            out,
-        )
-    del model
-    return metrics
+    """The baseline a training run reports next to its test metrics, on the run's device and precision.
+
+    Every process calls it and scores a share of the test prompts: a rank that only waited for the main
+    one's whole baseline would hit the collective timeout (10 minutes by default) on a large test split.
+    """
+    return baseline_on_device(
+        model_path,
+        tokenizer,
+        splits.test,
+        splits.labels,
+        splits.train,
+        prompt_options(cfg, splits.labels),
+        out,
+        accelerator.device,
+        accelerator.autocast(),
+        accelerator.state,
+        cfg.trust_remote_code,
+        cfg.allow_pickle,
+    )
 
 
 def detect_language(texts: list[str]) -> str:
@@ -347,8 +381,11 @@ def run_baseline(
     train: pd.DataFrame | None,
     options: PromptOptions,
     out: Path | None = None,
+    processes: PartialState | None = None,
 ) -> dict:
     """Score `table` with the prompt baseline; write `baseline_metrics.json` and predictions into `out`.
+
+    With `processes` (several), each process scores every n-th prompt and all of them get the whole result.
 
     Reports the uncalibrated and calibrated figures and, as a bias check, the figures with the label order
     in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
@@ -368,7 +405,15 @@ def run_baseline(
 
     def log_probs(inputs: list[str], label_order: list[str]) -> np.ndarray:
         prompts = prompter.encode(inputs, label_order)
-        return label_log_probs(model, tokenizer, prompts, token_lists, options.batch_size)
+        if processes is None or processes.num_processes == 1:
+            return label_log_probs(model, tokenizer, prompts, token_lists, options.batch_size)
+        # every n-th prompt per process; the shares are put back in order on every process
+        n, rank = processes.num_processes, processes.process_index
+        mine = label_log_probs(model, tokenizer, prompts[rank::n], token_lists, options.batch_size)
+        scores = np.zeros((len(prompts), len(token_lists)))
+        for r, share in enumerate(gather_object([mine])):
+            scores[r::n] = share
+        return scores
 
     scores = log_probs(texts, order)
     content_free = softmax(log_probs(list(CONTENT_FREE), order)).mean(axis=0)
@@ -397,6 +442,7 @@ def run_baseline(
             "example": prompter.prompt(texts[0], order),
         },
         "wall_s": round(time.perf_counter() - started, 2),
+        "processes": processes.num_processes if processes is not None else 1,
     }
     if out is not None:
         write_baseline(out, table, labels, scores, probs, calibrated, metrics)
