@@ -205,19 +205,28 @@ def bad_inputs(tmp: Path, good: Path) -> dict[str, tuple[list, str]]:
             ["--data", good, "--test", csv("leak.csv", frame.head(10)), "--dedup", "error"],
             "Leakage between splits",
         ),
+        "same file as train and test": (
+            ["--data", good, "--test", good],
+            "No training examples remain after duplicates and texts shared between splits were removed "
+            "(leakage: 108 training texts",
+        ),
         "malformed yaml": (["--config", tmp / "bad.yaml"], "is not valid YAML"),
         "unknown key": (["--data", good, "lora_rank=4"], "Did you mean 'lora_r'"),
         "negative lr": (["--data", good, "--lr", "-1"], "lr = -1.0"),
         "rank zero": (["--data", good, "--lora-r", "0"], "lora_r = 0"),
         "dropout one": (["--data", good, "--lora-dropout", "1"], "lora_dropout = 1.0"),
         "bad dedup": (["--data", good, "--dedup", "sometimes"], "dedup = 'sometimes'"),
+        "negative warm-up": (["--data", good, "--warmup-steps", "-1"], "warmup_steps = -1"),
+        "zero patience": (["--data", good, "--early-stopping-patience", "0"], "early_stopping_patience = 0"),
     }
 
 
 BAD_CASES = [
     *("missing file", "not utf-8", "bad json line", "misspelled column", "empty text", "missing label"),
     *("label unseen in train", "one class", "rare class", "duplicates", "leakage", "malformed yaml"),
-    *("unknown key", "negative lr", "rank zero", "dropout one", "bad dedup"),
+    "same file as train and test",
+    *("unknown key", "negative lr", "rank zero", "dropout one", "bad dedup", "negative warm-up"),
+    "zero patience",
 ]
 
 

@@ -208,3 +208,16 @@ def test_class_too_rare_for_a_stratified_split_is_named(tmp_path):
     pd.DataFrame({"text": texts, "label": ["a"] * 20 + ["b"]}).to_csv(path, index=False)
     with pytest.raises(LoraclsError, match=r"Cannot make the test split.*Class counts: \{'a': 20, 'b': 1\}"):
         load_splits(TrainConfig(data=str(path)))
+
+
+def test_multi_label_split_at_random_says_so(tmp_path):
+    """Label combinations that occur once cannot be stratified: the split falls back to random, and the run's
+    notes (printed, and kept in RUN/data/notes.json) say so instead of doing it silently."""
+    path = tmp_path / "tags.jsonl"
+    tags = ["a", "b", "c", "d", "e"]
+    rows = [{"text": f"text {i}", "label": [tags[i % 5], tags[(i * 3 + 1) % 5]]} for i in range(40)]
+    rows += [{"text": "one of a kind", "label": ["a", "b", "c", "d"]}]
+    pd.DataFrame(rows).to_json(path, orient="records", lines=True, force_ascii=False)
+    splits = load_splits(TrainConfig(data=str(path), multi_label=True))
+    assert any("too rare to stratify; split at random" in note for note in splits.notes)
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 41

@@ -80,7 +80,9 @@ def test_two_processes_match_one(tiny_models, single, tmp_path):
     command += ["--data", str(data), "--out", str(multi), "--batch-size", "8", *COMMON]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "batch 8 = 4 x 2 examples, x 2 process(es)" in " ".join(done.stderr.split())
+    said = " ".join(done.stderr.split())
+    assert "batch 8 = 4 x 2 examples, x 2 process(es)" in said
+    assert said.count("Tokenizer: set pad_token") == 1  # every stage's lines once, not once per process
 
     # one set of outputs: each validation example once per validation
     for path in sorted((multi / "val_predictions").iterdir()):

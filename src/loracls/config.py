@@ -178,6 +178,9 @@ class TrainConfig:
             "lora_dropout": 0 <= self.lora_dropout < 1,
             "weight_decay": self.weight_decay >= 0,
             "warmup_ratio": 0 <= self.warmup_ratio < 1,
+            "warmup_steps": self.warmup_steps is None or self.warmup_steps >= 0,
+            "early_stopping_patience": self.early_stopping_patience is None
+            or self.early_stopping_patience >= 1,
             "max_grad_norm": self.max_grad_norm > 0,
             "val_fraction": 0 < self.val_fraction < 1,
             "test_fraction": 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1,

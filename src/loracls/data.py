@@ -66,10 +66,10 @@ def load_splits(cfg: TrainConfig) -> Splits:
     table, val, test = read(cfg.data), read(cfg.val), read(cfg.test)
 
     if test is None:
-        table, test = stratified_split(table, cfg.test_fraction, cfg.seed, what=f"test split of {cfg.data}")
+        table, test = stratified_split(table, cfg.test_fraction, cfg.seed, f"test split of {cfg.data}", notes)
     if val is None:
         share = cfg.val_fraction / (1 - (0 if cfg.test else cfg.test_fraction))
-        table, val = stratified_split(table, share, cfg.seed, what=f"validation split of {cfg.data}")
+        table, val = stratified_split(table, share, cfg.seed, f"validation split of {cfg.data}", notes)
     labels = sort_labels(label_names(table["label"]))
     if len(labels) < 2:
         raise LoraclsError(f"{cfg.data}: training data has only one class ({labels!r}); need at least 2.")
@@ -80,6 +80,14 @@ def load_splits(cfg: TrainConfig) -> Splits:
                 f"The {name} data has label(s) {unseen} that never occur in the training data {labels}."
             )
     train, val, test = drop_shared(table, val, test, cfg.dedup, notes)
+    for name, split in (("training", train), ("validation", val), ("test", test)):
+        if split.empty:
+            removed = "; ".join(n for n in notes if n.startswith(("leakage", "duplicates"))) or "none removed"
+            raise LoraclsError(
+                f"No {name} examples remain after duplicates and texts shared between splits were removed "
+                f"({removed}). Give training, validation and test data that differ (not the same file "
+                "twice), or dedup=keep to keep shared texts and accept inflated scores."
+            )
     if cfg.max_train_examples and len(train) > cfg.max_train_examples:
         train = stratified_sample(train, cfg.max_train_examples, cfg.seed)
         notes.append(f"sampled {len(train)} training examples (max_train_examples)")
@@ -360,16 +368,18 @@ def drop_shared(
 
 
 def stratified_split(
-    table: pd.DataFrame, share: float, seed: int, what: str
+    table: pd.DataFrame, share: float, seed: int, what: str, notes: list[str] | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Stratified by label; multi-label tables by label combination, or at random when combinations are too
-    rare to stratify."""
+    rare to stratify (said in `notes`)."""
     multi = is_multi_label(table["label"])
     key = table["label"].map("\x1f".join) if multi else table["label"]
     try:
         rest, held = train_test_split(table, test_size=share, stratify=key, random_state=seed)
     except ValueError as e:
         if multi:
+            if notes is not None:
+                notes.append(f"{what}: label combinations too rare to stratify; split at random")
             return tuple(train_test_split(table, test_size=share, random_state=seed))
         counts = table["label"].value_counts().to_dict()
         raise LoraclsError(

@@ -8,14 +8,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model
-from rich.console import Console
 from rich.table import Table
 
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
 from loracls.model import empty_classifier, head_name, resolve_model
-
-console = Console(stderr=True)
+from loracls.output import console
 
 PRESETS: dict[str, tuple[str, ...] | None] = {
     "attn-qv": ("q_proj", "v_proj"),

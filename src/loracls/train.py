@@ -22,7 +22,6 @@ from accelerate.utils import DistributedType, broadcast_object_list, parse_flag_
 from datasets import Dataset
 from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.optim import AdamW
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
@@ -35,12 +34,11 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, tune_thresholds, write_predictions_jsonl
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
+from loracls.output import console
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, eval_batch_size, micro_batch_size, mixed_precision, offload_in_use
 from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
-
-console = Console(stderr=True)
 
 
 @dataclass

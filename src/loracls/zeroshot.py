@@ -16,7 +16,6 @@ import pandas as pd
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import gather_object
-from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -34,8 +33,6 @@ from loracls.evaluate import score, write_predictions_jsonl
 from loracls.model import LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
 from loracls.runs import write_json
 from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
-
-console = Console(stderr=True)
 
 CONTENT_FREE = ("N/A", "", "[MASK]")
 """Inputs that carry no content: the model's answer to them is its bias (Zhao et al., 2021)."""
