@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from loracls import doctor
 from loracls.doctor import (
@@ -203,10 +204,33 @@ def test_memory_estimate_for_qlora_and_fsdp(tiny_models):
 @pytest.mark.slow
 def test_memory_plan_for_gemma3_270m():
     setups = doctor.memory_estimate("gemma3-270m", 16, 256, precision="bf16", devices=8)
-    # 268M weights in bf16: 0.5 GiB; 4-bit only shrinks its 100M decoder linears (embeddings are 168M)
-    assert setups["lora"]["weights_gb"] == pytest.approx(0.5, abs=0.01)
-    assert 0.3 < setups["qlora"]["weights_gb"] < 0.4
-    assert setups["fsdp"]["weights_gb"] == pytest.approx(0.5 / 8, abs=0.01)
+    # 268M weights as the loader keeps them (fp32): 1.0 GiB; 4-bit only shrinks its 100M decoder linears
+    # (embeddings are 168M)
+    assert setups["lora"]["weights_gb"] == pytest.approx(1.0, abs=0.01)
+    assert 0.65 < setups["qlora"]["weights_gb"] < 0.75
+    assert setups["fsdp"]["weights_gb"] == pytest.approx(1.0 / 8, abs=0.01)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_planned_weights_are_what_the_loader_loads(tiny_models, precision):
+    """The planner counted a GPU's frozen weights at bf16 while `load_classifier` loads fp32: it promised
+    half the weight memory a run then used."""
+    from loracls.model import load_classifier
+
+    path = str(tiny_models["llama"])
+    planned = doctor.memory_estimate(path, 8, 64, precision=precision)["lora"]["weights_gb"] * 2**30
+    model = load_classifier(path, ["a", "b"], mixed_precision="bf16" if precision == "bf16" else "no")
+    loaded = sum(p.numel() * p.element_size() for p in model.parameters())  # the plan counts the head too
+    assert planned == pytest.approx(loaded, rel=1e-6)
+
+
+def test_qlora_computes_in_the_run_precision():
+    """QLoRA's compute dtype was bf16 whatever the run's precision; `auto` picks fp16 on GPUs without bf16."""
+    from loracls.model import quantized_compute_dtype
+
+    assert quantized_compute_dtype("fp16") == torch.float16
+    assert quantized_compute_dtype("bf16") == torch.bfloat16
+    assert quantized_compute_dtype("no") == torch.float32
 
 
 def test_training_on_a_gpu_stops_early_when_the_smoke_test_fails(monkeypatch):

@@ -545,9 +545,10 @@ def memory_estimate(
     model: str, batch_size: int, max_length: int, precision: str = "fp32", devices: int = 1
 ) -> dict[str, dict[str, float]]:
     """Rough per-device training memory in GiB for LoRA (attn-qv, r=8) on `model`, three ways: `lora` (the
-    base in `precision` on every device, DDP), `qlora` (decoder linear layers in 4-bit NF4, ~0.56 bytes per
-    weight with its scales; the rest in 16-bit) and `fsdp` (base weights, LoRA and optimizer state sharded
-    over `devices`).
+    whole base on every device, DDP), `qlora` (decoder linear layers in 4-bit NF4, ~0.56 bytes per weight
+    with its scales; the rest as the loader keeps it) and `fsdp` (base weights, LoRA and optimizer state
+    sharded over `devices`). The frozen weights count at the loader's `BASE_DTYPE` (whatever `precision`
+    the activations are computed in); `precision` sizes the activations.
 
     Activations follow Korthikanti et al. (2022): about 34·b·s·h + 5·a·s²·b bytes per layer in 16-bit,
     twice that in fp32, per micro-batch of `batch_size` on each device. A planning figure, not a promise:
@@ -556,12 +557,13 @@ def memory_estimate(
     import torch
 
     from loracls.lora import decoder_layers, plan_for_model
-    from loracls.model import empty_classifier, resolve_model
+    from loracls.model import BASE_DTYPE, empty_classifier, resolve_model
 
     skeleton = empty_classifier(resolve_model(model), ["a", "b"])
     config = skeleton.config.get_text_config()
     plan = plan_for_model(model, "attn-qv", 8)
-    width = 4 if precision == "fp32" else 2
+    width = 4 if precision == "fp32" else 2  # bytes per activation
+    stored = torch.finfo(BASE_DTYPE).bits // 8  # bytes per frozen weight, as `load_classifier` loads it
     layers = skeleton.get_submodule(decoder_layers(skeleton))
     linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     trainable = plan.trainable * 16  # fp32 weights, gradients and two AdamW moments
@@ -571,9 +573,9 @@ def memory_estimate(
     )
     activations = per_layer * config.num_hidden_layers * width / 2
     weights = {
-        "lora": plan.base_parameters * width,
-        "qlora": linear * 0.5625 + (plan.base_parameters - linear) * 2,
-        "fsdp": plan.base_parameters * width / devices,
+        "lora": plan.base_parameters * stored,
+        "qlora": linear * 0.5625 + (plan.base_parameters - linear) * stored,
+        "fsdp": plan.base_parameters * stored / devices,
     }
     optimizer = {"lora": trainable, "qlora": trainable, "fsdp": trainable / devices}
     gib = 2**30

@@ -182,6 +182,17 @@ def fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return changed
 
 
+BASE_DTYPE = torch.float32
+"""The dtype the frozen base weights are loaded in, on every device (mixed precision casts per matmul);
+`doctor`'s memory planner counts them at this width. A 16-bit base would halve weight memory on a GPU; it
+stays fp32 until a GPU run has measured what that does to accuracy."""
+
+
+def quantized_compute_dtype(mixed_precision: str) -> torch.dtype:
+    """QLoRA's 4-bit matmuls compute in the run's precision: bf16, fp16 on GPUs without bf16, else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
+
+
 LANGUAGE_MODEL_KEYS = {r"^model\.language_model\.": "model."}
 """Where transformers' multimodal checkpoints (Gemma 3/4, ...) keep the language model's weights."""
 
@@ -258,8 +269,12 @@ def load_classifier(
     multi_label: bool = False,
     quantize: str | None = None,
     attention: str | None = None,
+    mixed_precision: str = "bf16",
 ) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
+
+    The base is loaded in `BASE_DTYPE`; with `quantize`, its decoder linears in 4-bit computing in the
+    run's `mixed_precision`.
 
     A wrong repository or a bad conversion loads "successfully" with random weights; training it gives a
     plausible-looking but meaningless result, so that is refused here.
@@ -280,7 +295,7 @@ def load_classifier(
                 load_in_4bit=True,
                 bnb_4bit_quant_type="nf4",
                 bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
+                bnb_4bit_compute_dtype=quantized_compute_dtype(mixed_precision),
                 llm_int8_skip_modules=["score", "classifier"],
             ),
             "device_map": {"": torch.cuda.current_device()},
@@ -288,7 +303,7 @@ def load_classifier(
     model, info = cls.from_pretrained(
         path,
         config=config,
-        dtype=torch.float32,
+        dtype=BASE_DTYPE,
         output_loading_info=True,
         trust_remote_code=trust_remote_code,
         key_mapping=key_mapping,

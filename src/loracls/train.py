@@ -714,6 +714,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         cfg.multi_label,
         cfg.quantize,
         cfg.attention,
+        accelerator.mixed_precision,
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
