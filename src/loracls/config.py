@@ -63,8 +63,8 @@ class TrainConfig:
     lr: float = 2e-4
     """Peak learning rate of AdamW for the LoRA matrices and the classification head."""
     batch_size: int = 32
-    """Examples per optimizer step in each process (the effective batch); gradients are accumulated over
-    micro-batches of `micro_batch_size` to reach it."""
+    """Examples per optimizer step in each process; gradients are accumulated over micro-batches of
+    `micro_batch_size` to reach it. Under N processes (DDP/FSDP) one step sees N x this many examples."""
     micro_batch_size: int | None = None
     """Examples per forward pass; must divide `batch_size`. Unset: on a GPU the largest divisor of
     `batch_size` that fits in memory at the longest training text (probed once, cached per model, length,
