@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file
 
 from loracls.predict import Classifier
-from tests.conftest import FAMILIES, invoke
+from tests.conftest import FAMILIES, FAST, invoke
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -248,3 +248,48 @@ def test_quantize_4bit_is_refused_on_cpu_before_a_run_starts(tiny_models, toy_cs
     )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--quantize 4bit needs a GPU" in " ".join(result.output.split()) and not out.exists()
+
+
+def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy_csv, tmp_path):
+    """QLoRA used to score three models: validation on the 4-bit base with LoRA unmerged, the final test with
+    LoRA merged into 4-bit weights (re-quantised) and `eval` merged into an fp32 base. Now the test and `eval`
+    score the 4-bit base unmerged, as validation did; an export is the merge into the full-precision base and
+    says so. bitsandbytes needs a GPU, so the 4-bit load is faked: what is checked is what loracls asks for."""
+    import loracls.predict
+    import loracls.train
+    from peft.tuners.lora import LoraModel
+
+    real, asked, merges = loracls.train.load_classifier, [], []
+
+    def loader(*args, **kwargs):  # records the quantisation asked for, loads full precision
+        args = list(args)
+        if len(args) > 6:
+            asked.append(args[6])
+            args[6] = None
+        else:
+            asked.append(kwargs.pop("quantize", None))
+        return real(*args, **kwargs)
+
+    merge = LoraModel.merge_and_unload
+    monkeypatch.setattr(LoraModel, "merge_and_unload", lambda self, *a, **k: merges.append(1) or merge(self))
+    monkeypatch.setattr(loracls.train, "load_classifier", loader)
+    monkeypatch.setattr(loracls.predict, "load_classifier", loader)
+    monkeypatch.setattr(loracls.train, "check_quantization", lambda *args: None)
+    out = tmp_path / "qlora"
+    args = ["train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--no-baseline", *FAST]
+    result = invoke(*args, "--quantize", "4bit")
+    assert result.exit_code == 0, result.output
+    assert asked == ["4bit"] and merges == []
+
+    result = invoke("eval", out)
+    assert result.exit_code == 0, result.output
+    assert asked == ["4bit", "4bit"] and merges == []
+    recorded = [json.loads(x) for x in (out / "test_predictions.jsonl").read_text().splitlines()]
+    again = [json.loads(x) for x in (out / "eval/test/predictions.jsonl").read_text().splitlines()]
+    for a, b in zip(recorded, again, strict=True):
+        assert a["probabilities"] == pytest.approx(b["probabilities"], abs=1e-5)
+
+    assert invoke("export", out, "--out", tmp_path / "export").exit_code == 0
+    assert asked[-1] is None and merges == [1]  # the full-precision base, merged
+    info = json.loads((tmp_path / "export/loracls.json").read_text())
+    assert "4-bit base (QLoRA)" in info["merged_into"]

@@ -36,7 +36,9 @@ def export_run(
         if adapter_only:
             shutil.copytree(run.best, tmp)
         else:
-            classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished)
+            classifier = Classifier.from_run(
+                run.path, torch.device("cpu"), allow_unfinished, full_precision=True
+            )
             classifier.model.save_pretrained(tmp)
             classifier.tokenizer.save_pretrained(tmp)
             verify_export(tmp, labels)

@@ -30,15 +30,22 @@ def merge_adapter(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     multi_label: bool = False,
+    quantize: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer."""
+    """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer.
+
+    With `quantize` (a QLoRA run read back as it was scored), the base loads in 4-bit as in training and LoRA
+    stays unmerged: merging into NF4 weights would re-quantise LoRA's update, a third model that neither
+    validation nor the test scored.
+    """
     tokenizer = load_tokenizer(str(adapter))
     path = resolve_model(base_model)
     base = load_classifier(
-        path, labels, trust_remote_code, allow_pickle=allow_pickle, multi_label=multi_label
+        path, labels, trust_remote_code, allow_pickle=allow_pickle, multi_label=multi_label, quantize=quantize
     )
     base.config.pad_token_id = tokenizer.pad_token_id
-    return PeftModel.from_pretrained(base, str(adapter)).merge_and_unload(), tokenizer
+    model = PeftModel.from_pretrained(base, str(adapter))
+    return (model if quantize else model.merge_and_unload()), tokenizer
 
 
 @dataclass
@@ -68,16 +75,26 @@ class Classifier:
 
     @classmethod
     def from_run(
-        cls, run_dir: str | Path, device: torch.device | None = None, allow_unfinished: bool = False
+        cls,
+        run_dir: str | Path,
+        device: torch.device | None = None,
+        allow_unfinished: bool = False,
+        full_precision: bool = False,
     ) -> Classifier:
+        """The run's best checkpoint as the run scored it: merged into the base, or for a QLoRA run on the
+        4-bit base with LoRA unmerged (on the GPU it was placed on). `full_precision`: merged into the
+        full-precision base whatever the run (what an export of a QLoRA run is)."""
         run = RunFolder(run_dir)
         run.check_finished(allow_unfinished)
         cfg, labels = run.read_config(), run.read_labels()
+        quantize = None if full_precision else cfg.quantize
         model, tokenizer = merge_adapter(
-            cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle, cfg.multi_label
+            cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle, cfg.multi_label, quantize
         )
+        if not quantize:  # a 4-bit model stays where bitsandbytes put it
+            model = model.to(device or inference_device())
         return cls(
-            model.to(device or inference_device()).eval(),
+            model.eval(),
             tokenizer,
             labels,
             cfg.max_length,

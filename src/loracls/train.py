@@ -738,14 +738,15 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
 
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, resume)
 
-    # the best step scores the test split: merged into the base, or under FSDP sharded with LoRA unmerged
+    # the best step scores the test split: merged into the base; under FSDP sharded with LoRA unmerged; under
+    # QLoRA unmerged on the 4-bit base, as validation scored it (merging would re-quantise LoRA's update)
     if accelerator.is_fsdp2:
         accelerator.load_state(str(checkpoints.step_folder(run.path, result.best_step)))
         best = model
     else:
         model = accelerator.unwrap_model(model)
         set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
-        best = model.merge_and_unload()
+        best = model if cfg.quantize else model.merge_and_unload()
     thresholds = None
     if cfg.multi_label:
         val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator)
