@@ -26,4 +26,4 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -ra -m "not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts

@@ -252,12 +252,14 @@ def test_quantize_4bit_is_refused_on_cpu_before_a_run_starts(tiny_models, toy_cs
 
 def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy_csv, tmp_path):
     """QLoRA used to score three models: validation on the 4-bit base with LoRA unmerged, the final test with
-    LoRA merged into 4-bit weights (re-quantised) and `eval` merged into an fp32 base. Now the test and `eval`
-    score the 4-bit base unmerged, as validation did; an export is the merge into the full-precision base and
-    says so. bitsandbytes needs a GPU, so the 4-bit load is faked: what is checked is what loracls asks for."""
+    LoRA merged into 4-bit weights (re-quantised) and `eval` merged into an fp32 base. Now the test and
+    `eval` score the 4-bit base unmerged, as validation did; an export is the merge into the full-precision
+    base and says so. bitsandbytes needs a GPU, so the 4-bit load is faked: what is checked is what loracls
+    asks for."""
+    from peft.tuners.lora import LoraModel
+
     import loracls.predict
     import loracls.train
-    from peft.tuners.lora import LoraModel
 
     real, asked, merges = loracls.train.load_classifier, [], []
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On a machine with PyPI: fetch the wheels that a locked-down GPU box lacks for scripts/gpu_check.py into .whl/
+# (git-ignored; about 55 MB, mostly pyarrow). Carry .whl/ to the box with the tree.
+#   bash scripts/gpu_wheels.sh [PYTHON_VERSION]     (the box's python, default 3.12)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version="${1:-3.12}"
+rm -rf .whl && mkdir .whl
+python3 -m pip download --quiet --only-binary=:all: --no-deps --dest .whl --python-version "$version" \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 datasets pyarrow dill multiprocess xxhash
+du -sh .whl && ls .whl
