@@ -1,7 +1,10 @@
-"""Recorded facts of real machine types for `loracls doctor`: tool outputs as the tools print them.
+"""Facts of real machine types for `loracls doctor`, as the tools would print them.
 
-The rocminfo text follows ROCm 6.x output (a CPU agent, then one agent per GPU with its gfx name and ISA);
-torch arch lists are those of the official wheels (`torch.cuda.get_arch_list()`).
+The rocminfo text is **generated from a template** (`agent()` below) that follows the layout of ROCm 6.x's
+output (a CPU agent, then one agent block per GPU with `Name`, `Marketing Name`, `Device Type` and an `ISA
+Info` section naming e.g. `amdgcn-amd-amdhsa--gfx90a:sramecc+:xnack-`), not captured from a machine; real
+outputs carry more fields per agent, which the parser skips. Torch arch lists are those of the official
+wheels (`torch.cuda.get_arch_list()`).
 """
 
 from loracls.doctor import Device, Facts
