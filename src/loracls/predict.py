@@ -60,6 +60,8 @@ class Classifier:
     text_column: str = "text"
     thresholds: list[float] | None = None
     """Multi-label: a label is predicted when its probability reaches its threshold; None: single-label."""
+    precision: str = "auto"
+    """Autocast of the forward passes: `auto` (bf16 on GPUs and CPUs that compute it), `fp32`, `bf16`."""
 
     @classmethod
     def load(
@@ -129,7 +131,12 @@ class Classifier:
         dataset = tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0})
         device = next(self.model.parameters()).device
         return predict_probs(
-            self.model, dataset, self.tokenizer, self.batch_size, device, inference_autocast(device)
+            self.model,
+            dataset,
+            self.tokenizer,
+            self.batch_size,
+            device,
+            inference_autocast(device, self.precision),
         )
 
     def predict(self, texts: list[str]) -> list[dict]:

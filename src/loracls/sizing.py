@@ -73,9 +73,9 @@ def inference_device() -> torch.device:
     return torch.device("cpu")
 
 
-def inference_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast to the fastest precision the device supports (`precision: auto`), for inference."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision("auto", device.type))
+def inference_autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
+    """Autocast for inference: by default to the fastest precision the device supports (`precision: auto`)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision(precision, device.type))
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
