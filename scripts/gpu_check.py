@@ -159,24 +159,18 @@ def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
 
 
 def nan_loss_at(call: int):
-    """`train.make_loss` whose loss is NaN at micro-batch `call` (from 1): forces a non-finite step."""
-    import torch
+    """`ClassificationHead.loss` whose loss is NaN at micro-batch `call` (from 1): a forced non-finite step.
+    Returns the original method and the forcing one."""
+    from loracls.objective import ClassificationHead
 
-    from loracls import train as train_module
+    original, calls = ClassificationHead.loss, [0]
 
-    make_loss = train_module.make_loss
+    def forcing(self, model, batch):
+        calls[0] += 1
+        loss = original(self, model, batch)
+        return loss * float("nan") if calls[0] == call else loss
 
-    class Nan(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner, self.calls = inner, 0
-
-        def forward(self, logits, labels):
-            self.calls += 1
-            loss = self.inner(logits, labels)
-            return loss * float("nan") if self.calls == call else loss
-
-    return make_loss, lambda *args: Nan(make_loss(*args))
+    return original, forcing
 
 
 def main() -> int:
@@ -194,7 +188,6 @@ def main() -> int:
 
     import torch
 
-    from loracls import train as train_module
     from loracls.doctor import collect_facts, diagnose, smoke_test
     from loracls.model import load_tokenizer
     from loracls.sizing import cpu_flags, inference_device
@@ -287,12 +280,14 @@ def main() -> int:
     check("train_fp32", fp32)
 
     def fp16_nan() -> dict:
+        from loracls.objective import ClassificationHead
+
         original, forcing = nan_loss_at(call=3)
-        train_module.make_loss = forcing
+        ClassificationHead.loss = forcing
         try:
             record = train_run("fp16-nan", out, fixed, precision="fp16", skip_nonfinite=1)
         finally:
-            train_module.make_loss = original
+            ClassificationHead.loss = original
         record["loss_scaler"] = device == "cuda"  # accelerate gives a CPU no scaler
         assert record["skipped_steps"], "the forced NaN step was not skipped"
         return record

@@ -16,7 +16,7 @@ from transformers import AutoModelForSequenceClassification
 from loracls.config import TrainConfig
 from loracls.data import load_splits, read_labelled
 from loracls.evaluate import compute_multilabel_metrics, tune_thresholds
-from loracls.train import make_loss
+from loracls.objective import ClassificationHead
 from tests.conftest import FAST, invoke
 
 TOPICS = {
@@ -24,6 +24,10 @@ TOPICS = {
     "music": ["song", "band", "tune"],
     "food": ["rice", "soup", "cake"],
 }
+
+
+def loss_fn(cfg: TrainConfig, train_set: Dataset) -> torch.nn.Module:
+    return ClassificationHead.for_training(cfg, train_set, 2, torch.device("cpu")).loss_fn
 
 
 def topics(n: int, seed: int = 0) -> pd.DataFrame:
@@ -133,9 +137,9 @@ def test_class_imbalance_is_reported_and_weighted(tmp_path):
     assert any(n.startswith("class imbalance in train: {'common': 144, 'rare': 16}") for n in splits.notes)
 
     single = Dataset.from_dict({"labels": [0] * 90 + [1] * 10})
-    weights = make_loss(TrainConfig(class_weights=True), single, 2).weight
+    weights = loss_fn(TrainConfig(class_weights=True), single).weight
     assert weights.tolist() == pytest.approx([100 / 180, 100 / 20])
-    assert make_loss(TrainConfig(), single, 2).weight is None
+    assert loss_fn(TrainConfig(), single).weight is None
     multi = Dataset.from_dict({"labels": [[1.0, 0.0]] * 3 + [[1.0, 1.0]]})
-    loss = make_loss(TrainConfig(multi_label=True, class_weights=True), multi, 2)
+    loss = loss_fn(TrainConfig(multi_label=True, class_weights=True), multi)
     assert isinstance(loss, torch.nn.BCEWithLogitsLoss) and loss.pos_weight.tolist() == [0.25, 3.0]

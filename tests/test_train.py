@@ -61,7 +61,7 @@ def test_a_short_last_window_weighs_as_a_full_one():
     gradient is their mean as a full window's is (accelerate divides every loss by 4)."""
     from accelerate import Accelerator
 
-    from loracls.train import window_weight
+    from loracls.fit import window_weight
 
     assert [window_weight(b, 10, 4) for b in range(1, 11)] == [1] * 8 + [2, 2]
     assert {window_weight(b, 8, 4) for b in range(1, 9)} == {1}

@@ -26,8 +26,11 @@ import torch
 from accelerate import Accelerator
 from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
+from transformers import PreTrainedTokenizerBase
 
 from loracls.errors import LoraclsError
+from loracls.files import atomic_folder
+from loracls.runs import RunFolder
 
 FOLDER = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -164,3 +167,34 @@ def load(accelerator: Accelerator, folder: Path) -> TrainerState:
     """Restore adapter, optimizer, scheduler and RNG from `folder`; return its `TrainerState`."""
     accelerator.load_state(str(folder))
     return TrainerState(**json.loads((folder / STATE_FILE).read_text(encoding="utf-8")))
+
+
+def save_best(
+    accelerator: Accelerator, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, run: RunFolder
+) -> None:
+    """Adapter, head and tokenizer into RUN/best, replaced in one rename; a failed write keeps the old one.
+
+    Every process calls this (under FSDP the adapter is gathered from all); the main one writes.
+    """
+    if not run.main:
+        save_adapter(accelerator, model, run.best)  # joins the gather; only the main process writes
+        return
+    try:
+        with atomic_folder(run.best) as tmp:
+            save_adapter(accelerator, model, tmp)
+            tokenizer.save_pretrained(tmp)
+    except OSError as e:
+        raise LoraclsError(
+            f"Could not write the new best checkpoint to {run.best}: {e}. The previous best is intact; free "
+            f"space, then `loracls train --resume {run.path}`."
+        ) from None
+
+
+def restore_best(run: RunFolder, tokenizer: PreTrainedTokenizerBase, state: TrainerState) -> None:
+    """On resume, RUN/best may hold a later step than the checkpoint's best: put that best back."""
+    if state.best_val is None:
+        shutil.rmtree(run.best, ignore_errors=True)
+        return
+    with atomic_folder(run.best) as tmp:
+        shutil.copytree(step_folder(run.path, state.best_step) / ADAPTER, tmp, dirs_exist_ok=True)
+        tokenizer.save_pretrained(tmp)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.data import LengthGroupedBatches
+from loracls.objective import ClassificationHead, Objective
 
 
 @torch.inference_mode()
@@ -34,10 +35,10 @@ def predict_probs(
     device: torch.device | str | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
     accelerator: Accelerator | None = None,
+    objective: Objective | None = None,
 ) -> np.ndarray:
-    """Class probabilities, shape (examples, classes), in the dataset's order.
-
-    Softmax over the classes; for a multi-label model (`problem_type`), a sigmoid per label. Under several
+    """Class probabilities, shape (examples, classes), in the dataset's order, from `objective.probs`
+    (default: the model's classification head: softmax, or a sigmoid per label for multi-label). Under several
     processes (`accelerator`), each scores every n-th batch and all receive the whole result: every example is
     scored exactly once, with no padding of the last batch to gather. Every process runs the same number of
     forward passes (a short one runs a discarded extra), as a sharded model needs.
@@ -54,14 +55,10 @@ def predict_probs(
     was_training = model.training
     model.eval()
     probs = np.zeros((len(dataset), model.config.num_labels), dtype=np.float32)
-    multi_label = model.config.problem_type == "multi_label_classification"
+    objective = objective or ClassificationHead.for_model(model)
     with autocast or contextlib.nullcontext():  # entered once: accelerate's autocast() is single-use
         for indices, batch in zip(batches, loader, strict=True):
-            logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-            logits = logits.float()
-            probs[indices] = (
-                (torch.sigmoid(logits) if multi_label else torch.softmax(logits, -1)).cpu().numpy()
-            )
+            probs[indices] = objective.probs(model, {k: v.to(device) for k, v in batch.items()}).cpu().numpy()
         for _ in range(rounds - len(batches)):
             # a sharded model (FSDP) needs every process in every forward pass: one example, discarded
             model(**{k: v.to(device) for k, v in collate([inputs[i] for i in spare]).items()})

@@ -65,6 +65,16 @@ class RunFolder:
         if self.main:
             write_json(self.path / name, value)
 
+    def record_environment(self, env: dict[str, Any], resume: Path | None = None) -> None:
+        """`env.json`: the environment of the run; a resume keeps the first and appends its own, with the
+        checkpoint it continued from, under `resumes`."""
+        if resume is None:
+            self.write_json("env.json", env)
+            return
+        first = json.loads(self.file("env.json").read_text(encoding="utf-8"))
+        first.setdefault("resumes", []).append({"from": str(resume), **env})
+        self.write_json("env.json", first)
+
     def append_log(self, record: dict) -> None:
         if not self.main:
             return
