@@ -185,36 +185,14 @@ def evaluate(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
-    import numpy as np
-
-    from loracls.data import label_names, read_labelled, separator
-    from loracls.evaluate import score, write_predictions_jsonl
-    from loracls.predict import Classifier
-    from loracls.runs import RunFolder, write_json
+    from loracls.evaluate import evaluate_run
 
     try:
-        run = RunFolder(run_dir)
-        run.check_finished(allow_unfinished)
-        cfg = run.read_config()
-        if data is None:
-            table = run.read_split("test")
-        else:
-            table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
-        classifier = Classifier.from_run(str(run_dir), allow_unfinished=allow_unfinished)
-        unknown = sorted(label_names(table["label"]) - set(classifier.labels))
-        if unknown:
-            raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
-        probs = classifier.predict_probs(list(table["text"]))
-        thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
-        metrics = score(table, probs, classifier.labels, thresholds)
+        metrics, out = evaluate_run(run_dir, data, allow_unfinished)
     except LoraclsError as e:
         fail(e)
-    out = run.file("eval") / (Path(data).stem if data else "test")
-    out.mkdir(parents=True, exist_ok=True)
-    write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels, thresholds=thresholds)
-    write_json(out / "metrics.json", metrics)
     console.print(
-        f"[bold]accuracy {metrics['accuracy']:.4f}  macro-F1 {metrics['macro_f1']:.4f}[/] on {len(table)} "
+        f"[bold]accuracy {metrics['accuracy']:.4f}  macro-F1 {metrics['macro_f1']:.4f}[/] on {metrics['n']} "
         f"examples"
     )
     console.print(per_class_table(metrics))
@@ -439,7 +417,7 @@ def export(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers) or the adapter alone."""
-    from loracls.export import export_run
+    from loracls.export import export_run, read_export_info
 
     try:
         folder = export_run(run_dir, out, adapter_only, allow_unfinished)
@@ -448,7 +426,7 @@ def export(
     checks = "checked: config, head, tokenizer, reloaded logits"
     kind = "adapter + head" if adapter_only else f"merged classifier ({checks})"
     console.print(f"{kind} written to {folder}", soft_wrap=True)
-    merged_into = json.loads((folder / "loracls.json").read_text(encoding="utf-8")).get("merged_into")
+    merged_into = read_export_info(folder).get("merged_into")
     if merged_into:
         console.print(f"note: LoRA merged into {merged_into}", soft_wrap=True)
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.data import LengthGroupedBatches
+from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
 
 
@@ -141,23 +142,34 @@ def write_predictions_jsonl(
     `extra` adds further per-label score arrays under their own names (the baseline's log-probabilities).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for i, (row, p) in enumerate(zip(table.itertuples(index=False), probs, strict=True)):
-            record = {"id": str(row.id), "text": row.text}
-            if "label" in table.columns:
-                record["gold"] = list(row.label) if thresholds is not None else row.label
-            if thresholds is not None:
-                record["predicted"] = [
-                    name for name, x, t in zip(labels, p, thresholds, strict=True) if x >= t
-                ]
-            else:
-                record["predicted"] = labels[int(p.argmax())]
-            record["probabilities"] = {name: round(float(x), 6) for name, x in zip(labels, p, strict=True)}
-            for key, values in (extra or {}).items():
-                record[key] = {name: round(float(x), 6) for name, x in zip(labels, values[i], strict=True)}
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    predicted = predicted_labels(probs, labels, thresholds)
+    lines = []
+    for i, (row, p) in enumerate(zip(table.itertuples(index=False), probs, strict=True)):
+        record = {"id": str(row.id), "text": row.text}
+        if "label" in table.columns:
+            record["gold"] = list(row.label) if thresholds is not None else row.label
+        record["predicted"] = predicted[i]
+        record["probabilities"] = rounded(p, labels)
+        for key, values in (extra or {}).items():
+            record[key] = rounded(values[i], labels)
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+    write_text(path, "".join(lines))
+
+
+def predicted_labels(
+    probs: np.ndarray, labels: list[str], thresholds: np.ndarray | list[float] | None = None
+) -> list:
+    """Each row's predicted label (the most probable), or with `thresholds` (multi-label) the list of every
+    label whose probability reaches its threshold."""
+    if thresholds is None:
+        return [labels[int(i)] for i in np.asarray(probs).argmax(-1)]
+    chosen = np.asarray(probs) >= np.asarray(thresholds)[None, :]
+    return [[name for name, on in zip(labels, row, strict=True) if on] for row in chosen]
+
+
+def rounded(probs: np.ndarray, labels: list[str]) -> dict[str, float]:
+    """One row of probabilities as {label: probability}, rounded to 6 digits for output files."""
+    return {name: round(float(x), 6) for name, x in zip(labels, probs, strict=True)}
 
 
 def score(
@@ -168,3 +180,34 @@ def score(
         return compute_multilabel_metrics(indicator(table, labels), (probs >= thresholds).astype(int), labels)
     label2id = {name: i for i, name in enumerate(labels)}
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)
+
+
+def evaluate_run(
+    run_dir: str | Path, data: str | None = None, allow_unfinished: bool = False
+) -> tuple[dict, Path]:
+    """Score a run's best checkpoint, as the run scored it, on its test split (reproducing `metrics.json`)
+    or on another labelled file; writes `RUN/eval/<name>/metrics.json` and `predictions.jsonl`."""
+    from loracls.data import label_names, read_labelled, separator
+    from loracls.errors import LoraclsError
+    from loracls.predict import Classifier  # predict imports this module
+    from loracls.runs import RunFolder, write_json
+
+    run = RunFolder(Path(run_dir))
+    run.check_finished(allow_unfinished)
+    cfg = run.read_config()
+    if data is None:
+        table = run.read_split("test")
+    else:
+        table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
+    classifier = Classifier.from_run(run.path, allow_unfinished=allow_unfinished)
+    unknown = sorted(label_names(table["label"]) - set(classifier.labels))
+    if unknown:
+        raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
+    probs = classifier.predict_probs(list(table["text"]))
+    thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
+    metrics = score(table, probs, classifier.labels, thresholds)
+    out = run.file("eval") / (Path(data).stem if data else "test")
+    out.mkdir(parents=True, exist_ok=True)
+    write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels, thresholds=thresholds)
+    write_json(out / "metrics.json", metrics)
+    return metrics, out

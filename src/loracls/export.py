@@ -10,10 +10,14 @@ import torch
 from safetensors import safe_open
 
 from loracls.errors import LoraclsError
+from loracls.files import atomic_folder
 from loracls.model import from_pretrained
-from loracls.predict import EXPORT_INFO, Classifier, run_thresholds
+from loracls.predict import Classifier, run_thresholds
 from loracls.runs import RunFolder, package_version, write_json
 from loracls.sizing import eval_batch_size
+
+EXPORT_INFO = "loracls.json"
+"""Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
 
 
 def export_run(
@@ -22,7 +26,9 @@ def export_run(
     """Write `out`: by default the merged classifier (safetensors, config, tokenizer); else the adapter.
 
     The folder is built under `out.partial` and renamed only once it has been verified, so a failed or
-    interrupted export never leaves a folder that looks usable.
+    interrupted export never leaves a folder that looks usable. `loracls.json` (`EXPORT_INFO`) records what
+    `Classifier.from_export` needs: labels, max_length, batch size, text column, base model, whether LoRA is
+    merged (and into what), thresholds.
     """
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
@@ -30,11 +36,9 @@ def export_run(
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LoraclsError(f"{out} already exists and is not an empty folder; choose another --out")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_folder(out, ".partial") as tmp:
         if adapter_only:
-            shutil.copytree(run.best, tmp)
+            shutil.copytree(run.best, tmp, dirs_exist_ok=True)
         else:
             classifier = Classifier.from_run(
                 run.path, torch.device("cpu"), allow_unfinished, full_precision=True
@@ -61,13 +65,12 @@ def export_run(
                 "loracls": package_version("loracls"),
             },
         )
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
     return out
+
+
+def read_export_info(folder: Path) -> dict:
+    """An export's `loracls.json`, as `export_run` wrote it."""
+    return json.loads((Path(folder) / EXPORT_INFO).read_text(encoding="utf-8"))
 
 
 def verify_export(folder: Path, labels: list[str]) -> None:

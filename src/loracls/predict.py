@@ -14,13 +14,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.data import tokenize
 from loracls.errors import LoraclsError
-from loracls.evaluate import predict_probs
+from loracls.evaluate import predict_probs, predicted_labels, rounded
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.runs import RunFolder
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
-
-EXPORT_INFO = "loracls.json"
-"""Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
 
 
 def merge_adapter(
@@ -71,6 +68,8 @@ class Classifier:
         path = Path(path)
         if (path / "status.json").is_file():
             return cls.from_run(path, device, allow_unfinished)
+        from loracls.export import EXPORT_INFO  # export writes the format; it imports this module
+
         if (path / EXPORT_INFO).is_file():
             return cls.from_export(path, device)
         raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
@@ -108,7 +107,9 @@ class Classifier:
     @classmethod
     def from_export(cls, path: str | Path, device: torch.device | None = None) -> Classifier:
         path = Path(path)
-        info = json.loads((path / EXPORT_INFO).read_text(encoding="utf-8"))
+        from loracls.export import read_export_info
+
+        info = read_export_info(path)
         if info["merged"]:
             model, tokenizer = from_pretrained(str(path), dtype=torch.float32), load_tokenizer(str(path))
         else:
@@ -142,19 +143,13 @@ class Classifier:
     def predict(self, texts: list[str]) -> list[dict]:
         """One record per text: the predicted `label` (multi-label: `labels`, every one at or above its
         threshold) and every label's probability."""
-        records = []
-        for text, p in zip(texts, self.predict_probs(texts), strict=True):
-            record = {"text": text}
-            if self.thresholds is None:
-                record["label"] = self.labels[int(p.argmax())]
-            else:
-                pairs = zip(self.labels, p, self.thresholds, strict=True)
-                record["labels"] = [name for name, x, t in pairs if x >= t]
-            record["probabilities"] = {
-                name: round(float(x), 6) for name, x in zip(self.labels, p, strict=True)
-            }
-            records.append(record)
-        return records
+        probs = self.predict_probs(texts)
+        key = "label" if self.thresholds is None else "labels"
+        predicted = predicted_labels(probs, self.labels, self.thresholds)
+        return [
+            {"text": text, key: chosen, "probabilities": rounded(p, self.labels)}
+            for text, chosen, p in zip(texts, predicted, probs, strict=True)
+        ]
 
 
 def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:

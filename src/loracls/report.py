@@ -17,7 +17,8 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
-from loracls.runs import RunFolder, write_text  # noqa: E402
+from loracls.files import write_text
+from loracls.runs import RunFolder  # noqa: E402
 
 STYLE = """
 body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }

@@ -32,6 +32,7 @@ import yaml
 from loracls.config import TrainConfig
 from loracls.data import Splits
 from loracls.errors import LoraclsError
+from loracls.files import write_text
 
 
 @dataclass
@@ -145,13 +146,6 @@ class RunFolder:
 
 def default_out(data: str) -> str:
     return f"runs/{Path(data).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def write_json(path: Path, value: Any) -> None:

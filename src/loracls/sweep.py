@@ -32,9 +32,10 @@ import pandas as pd
 from loracls import checkpoints
 from loracls.config import TrainConfig, check_known_keys, read_yaml_config
 from loracls.errors import LoraclsError
+from loracls.files import write_text
 from loracls.output import console
 from loracls.report import compare_runs, plt, png, run_summary
-from loracls.runs import RunFolder, write_text
+from loracls.runs import RunFolder
 
 SWEEP_KEYS = ("out", "base", "grid", "runs")
 SIZE_KEYS = ("max_train_examples", "train_fraction")
