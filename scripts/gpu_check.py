@@ -126,7 +126,7 @@ def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
     import torch
 
     from loracls.config import TrainConfig
-    from loracls.doctor import memory_estimate
+    from loracls.sizing import memory_estimate
     from loracls.train import train
 
     if torch.cuda.is_available():

@@ -6,15 +6,14 @@ import json
 import pytest
 import torch
 
-from loracls import doctor
-from loracls.doctor import (
-    diagnose,
+from loracls import doctor, sizing
+from loracls.doctor import diagnose, smoke_test
+from loracls.rocm import (
     gfx_from_hsa,
     hsa_version,
     parse_amd_smi_version,
     parse_driver_version,
     parse_rocminfo,
-    smoke_test,
 )
 from tests.conftest import invoke
 from tests.doctor_machines import AMD_SMI_VERSION, MACHINES, ROCM_SMI_DRIVER, ROCMINFO
@@ -187,14 +186,14 @@ def test_doctor_command_on_this_machine(monkeypatch):
 
 
 def test_memory_estimate_for_the_tiny_model(tiny_models):
-    small = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=8, max_length=64)["lora"]
-    large = doctor.memory_estimate(str(tiny_models["llama"]), batch_size=16, max_length=128)["lora"]
+    small = sizing.memory_estimate(str(tiny_models["llama"]), batch_size=8, max_length=64)["lora"]
+    large = sizing.memory_estimate(str(tiny_models["llama"]), batch_size=16, max_length=128)["lora"]
     assert 0 < small["total_gb"] < large["total_gb"]
     assert large["activations_gb"] > 2 * small["activations_gb"]
 
 
 def test_memory_estimate_for_qlora_and_fsdp(tiny_models):
-    setups = doctor.memory_estimate(str(tiny_models["llama"]), 8, 64, precision="bf16", devices=4)
+    setups = sizing.memory_estimate(str(tiny_models["llama"]), 8, 64, precision="bf16", devices=4)
     lora, qlora, fsdp = setups["lora"], setups["qlora"], setups["fsdp"]
     assert qlora["weights_gb"] < lora["weights_gb"]  # 4-bit decoder linears
     assert fsdp["weights_gb"] == pytest.approx(lora["weights_gb"] / 4, abs=1e-3)
@@ -203,7 +202,7 @@ def test_memory_estimate_for_qlora_and_fsdp(tiny_models):
 
 @pytest.mark.slow
 def test_memory_plan_for_gemma3_270m():
-    setups = doctor.memory_estimate("gemma3-270m", 16, 256, precision="bf16", devices=8)
+    setups = sizing.memory_estimate("gemma3-270m", 16, 256, precision="bf16", devices=8)
     # 268M weights as the loader keeps them (fp32): 1.0 GiB; 4-bit only shrinks its 100M decoder linears
     # (embeddings are 168M)
     assert setups["lora"]["weights_gb"] == pytest.approx(1.0, abs=0.01)
@@ -218,7 +217,7 @@ def test_planned_weights_are_what_the_loader_loads(tiny_models, precision):
     from loracls.model import load_classifier
 
     path = str(tiny_models["llama"])
-    planned = doctor.memory_estimate(path, 8, 64, precision=precision)["lora"]["weights_gb"] * 2**30
+    planned = sizing.memory_estimate(path, 8, 64, precision=precision)["lora"]["weights_gb"] * 2**30
     model = load_classifier(path, ["a", "b"], mixed_precision="bf16" if precision == "bf16" else "no")
     loaded = sum(p.numel() * p.element_size() for p in model.parameters())  # the plan counts the head too
     assert planned == pytest.approx(loaded, rel=1e-6)

@@ -19,14 +19,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ISA_FAMILIES = {
-    "gfx1030": ("gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035", "gfx1036"),
-    "gfx1100": ("gfx1101", "gfx1102", "gfx1103"),
-}
-"""Architectures that run the kernels of a sibling in the same ISA family when told to with
-`HSA_OVERRIDE_GFX_VERSION` (the community-tested RDNA 2 and RDNA 3 cases)."""
-
-ROCM_VERSION_FILES = ("/opt/rocm/.info/version", "/opt/rocm/.info/version-dev")
+from loracls.rocm import (
+    ISA_FAMILIES,
+    ROCM_VERSION_FILES,
+    base_arch,
+    gfx_from_hsa,
+    hsa_version,
+    major_minor,
+    parse_amd_smi_version,
+    parse_driver_version,
+    parse_rocminfo,
+)
 
 
 @dataclass
@@ -87,61 +90,6 @@ class Report:
             "can_train": self.can_train,
             "findings": [asdict(f) for f in self.findings],
         }
-
-
-def base_arch(arch: str) -> str:
-    """`gfx90a:sramecc+:xnack-` -> `gfx90a`."""
-    return arch.split(":", 1)[0].strip()
-
-
-def hsa_version(gfx: str) -> str:
-    """The `HSA_OVERRIDE_GFX_VERSION` value of an architecture: decimal major.minor.stepping.
-
-    The last two characters of the gfx name are hexadecimal minor and stepping digits: gfx90a is 9.0.10
-    (not 9.0.a), gfx1031 is 10.3.1, gfx942 is 9.4.2.
-    """
-    digits = base_arch(gfx).removeprefix("gfx")
-    if len(digits) < 3:
-        raise ValueError(f"not a gfx architecture: {gfx}")
-    return f"{int(digits[:-2])}.{int(digits[-2], 16)}.{int(digits[-1], 16)}"
-
-
-def gfx_from_hsa(version: str) -> str | None:
-    """`10.3.0` -> `gfx1030`; None when the value is malformed."""
-    match = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", version.strip())
-    if not match:
-        return None
-    major, minor, stepping = (int(x) for x in match.groups())
-    return f"gfx{major}{minor:x}{stepping:x}"
-
-
-def major_minor(version: str | None) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", version or "")
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def parse_rocminfo(text: str) -> tuple[list[str], str | None]:
-    """(gfx names of the GPU agents, amdgpu driver version) from `rocminfo` output."""
-    driver = re.search(r"ROCk module version\s+(\S+)", text)
-    gpus = []
-    for agent in re.split(r"\*{5,}\s*\n\s*Agent \d+", text)[1:]:
-        if re.search(r"Device Type:\s+GPU", agent):
-            name = re.search(r"^\s*Name:\s+(gfx[0-9a-f]+)", agent, re.MULTILINE)
-            if name:
-                gpus.append(name.group(1))
-    return gpus, driver.group(1) if driver else None
-
-
-def parse_driver_version(text: str) -> str | None:
-    """`rocm-smi --showdriverversion` / `nvidia-smi` style "Driver version: X"."""
-    match = re.search(r"Driver [Vv]ersion:?\s+(\S+)", text)
-    return match.group(1) if match else None
-
-
-def parse_amd_smi_version(text: str) -> str | None:
-    """The ROCm release in `amd-smi version` output ("... | ROCm version: 6.2.4")."""
-    match = re.search(r"ROCm version:\s*(\d+\.\d+(?:\.\d+)?)", text)
-    return match.group(1) if match else None
 
 
 def backend_of(facts: Facts) -> str:
@@ -539,68 +487,6 @@ def crash_hint(facts: Facts | None) -> str:
             "(`rocminfo`, `dmesg | grep amdgpu`) and that no HSA_OVERRIDE_GFX_VERSION is set."
         )
     return "Check the driver and the torch build (`nvidia-smi`, `python -m torch.utils.collect_env`)."
-
-
-def memory_estimate(
-    model: str, batch_size: int, max_length: int, precision: str = "fp32", devices: int = 1
-) -> dict[str, dict[str, float]]:
-    """Rough per-device training memory in GiB for LoRA (attn-qv, r=8) on `model`, three ways: `lora` (the
-    whole base on every device, DDP), `qlora` (decoder linear layers in 4-bit NF4, ~0.56 bytes per weight
-    with its scales; the rest as the loader keeps it) and `fsdp` (base weights, LoRA and optimizer state
-    sharded over `devices`). The frozen weights count at the loader's `BASE_DTYPE` (whatever `precision`
-    the activations are computed in); `precision` sizes the activations.
-
-    Activations follow Korthikanti et al. (2022): about 34·b·s·h + 5·a·s²·b bytes per layer in 16-bit,
-    twice that in fp32, per micro-batch of `batch_size` on each device. A planning figure, not a promise:
-    allocator overhead and kernels vary.
-    """
-    import torch
-
-    from loracls.lora import decoder_layers, plan_for_model
-    from loracls.model import BASE_DTYPE, empty_classifier, resolve_model
-
-    skeleton = empty_classifier(resolve_model(model), ["a", "b"])
-    config = skeleton.config.get_text_config()
-    plan = plan_for_model(model, "attn-qv", 8)
-    width = 4 if precision == "fp32" else 2  # bytes per activation
-    stored = torch.finfo(BASE_DTYPE).bits // 8  # bytes per frozen weight, as `load_classifier` loads it
-    layers = skeleton.get_submodule(decoder_layers(skeleton))
-    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
-    trainable = plan.trainable * 16  # fp32 weights, gradients and two AdamW moments
-    per_layer = (
-        34 * batch_size * max_length * config.hidden_size
-        + 5 * config.num_attention_heads * max_length**2 * batch_size
-    )
-    activations = per_layer * config.num_hidden_layers * width / 2
-    weights = {
-        "lora": plan.base_parameters * stored,
-        "qlora": linear * 0.5625 + (plan.base_parameters - linear) * stored,
-        "fsdp": plan.base_parameters * stored / devices,
-    }
-    optimizer = {"lora": trainable, "qlora": trainable, "fsdp": trainable / devices}
-    gib = 2**30
-    return {
-        setup: {
-            "weights_gb": weights[setup] / gib,
-            "lora_and_optimizer_gb": optimizer[setup] / gib,
-            "activations_gb": activations / gib,
-            "total_gb": (weights[setup] + optimizer[setup] + activations) / gib,
-        }
-        for setup in weights
-    }
-
-
-def free_memory_gb() -> dict[str, float]:
-    """Free memory per GPU, or available host memory when there is no GPU."""
-    import psutil
-    import torch
-
-    if torch.cuda.is_available():
-        return {
-            f"cuda:{i}": round(torch.cuda.mem_get_info(i)[0] / 2**30, 1)
-            for i in range(torch.cuda.device_count())
-        }
-    return {"cpu": round(psutil.virtual_memory().available / 2**30, 1)}
 
 
 def check_quantization(device, facts: Facts | None) -> None:
