@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.loracls-installed
 
-.PHONY: demo test test-fast lint install
+.PHONY: demo test test-fast lint install numbers
 
 install: $(STAMP)
 
@@ -27,3 +27,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
+
+# Re-measure every figure the READMEs quote on this commit (about two hours on 2 CPU cores); see benchmarks/README.md
+numbers: $(STAMP)
+	$(PY) benchmarks/reproduce.py

@@ -22,7 +22,7 @@ from loracls.config import TrainConfig
 from loracls.data import load_splits
 from loracls.model import load_tokenizer, resolve_model
 from loracls.runs import environment
-from loracls.zeroshot import load_causal_lm, prompt_options, run_baseline
+from loracls.zeroshot import load_causal_lm, run_baseline
 
 
 def main() -> None:
@@ -62,9 +62,7 @@ def main() -> None:
         for shots in map(int, args.shots.split(",")):
             cfg.baseline_shots = shots
             started = time.perf_counter()
-            m = run_baseline(
-                model, tokenizer, splits.test, splits.labels, splits.train, prompt_options(cfg, splits.labels)
-            )
+            m = run_baseline(model, tokenizer, splits.test, splits.labels, splits.train, cfg)
             row = {
                 "data": data,
                 "shots": shots,

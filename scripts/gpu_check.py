@@ -188,10 +188,11 @@ def main() -> int:
 
     import torch
 
+    from loracls.config import TrainConfig
     from loracls.doctor import collect_facts, diagnose, smoke_test
     from loracls.model import load_tokenizer
     from loracls.sizing import cpu_flags, inference_device
-    from loracls.zeroshot import PromptOptions, baseline_on_device
+    from loracls.zeroshot import baseline_on_device
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flags = cpu_flags()
@@ -339,7 +340,7 @@ def main() -> int:
             table,
             ["negative", "positive"],
             None,
-            PromptOptions(verbalizers={"negative": "bad", "positive": "good"}),
+            TrainConfig(verbalizers="negative=bad,positive=good"),
         )
         used = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
         assert device != "cuda" or used > 0.1, "the baseline allocated nothing on the GPU"

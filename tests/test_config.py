@@ -117,3 +117,18 @@ def test_every_accelerate_config_is_one_accelerate_reads(path):
     config = load_config_from_file(str(path))
     assert config.distributed_type in ("MULTI_GPU", "FSDP", "MULTI_CPU")
     assert config.num_processes >= 1
+
+
+def test_train_help_shows_types_defaults_and_groups():
+    """`loracls train --help` listed 60 options in one block, every one typed <str>, no default shown."""
+    from loracls.config import GROUPS
+    from tests.conftest import invoke
+
+    result = invoke("train", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for group in GROUPS:
+        assert group in text
+    assert "<float>" in text and "<int>" in text and "[default: (0.0002)]" in text
+    assert "[default: (attn-qv)]" in text and "[default: (none)]" in text
+    assert sorted(k for keys in GROUPS.values() for k in keys) == sorted(f.name for f in fields(TrainConfig))

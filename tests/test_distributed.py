@@ -209,7 +209,7 @@ def test_ddp_processes_share_the_baseline(tiny_models, single, tmp_path):
     the others waited at a barrier that times out after 10 minutes); the result is the one-process one."""
     from loracls.model import load_tokenizer
     from loracls.runs import RunFolder
-    from loracls.zeroshot import load_causal_lm, prompt_options, run_baseline
+    from loracls.zeroshot import load_causal_lm, run_baseline
 
     data, _ = single
     model = str(tiny_models["llama"])
@@ -231,7 +231,7 @@ def test_ddp_processes_share_the_baseline(tiny_models, single, tmp_path):
         folder.read_split("test"),
         labels,
         folder.read_split("train"),
-        prompt_options(cfg, labels),
+        cfg,
         tmp_path / "alone",
     )
     for key in ("uncalibrated", "calibrated", "swapped_order"):

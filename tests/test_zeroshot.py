@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from loracls import zeroshot
+from loracls.config import PromptConfig, TrainConfig
 from loracls.errors import LoraclsError
 from loracls.model import load_tokenizer
 from loracls.zeroshot import (
     TEMPLATES,
-    PromptOptions,
     Template,
     calibrate,
     detect_language,
@@ -90,24 +90,22 @@ def test_calibration_divides_out_the_content_free_distribution():
 
 
 def test_prompt_lists_options_in_the_given_order_and_shots_before_the_query():
-    template, words, order = resolve_prompt(
-        LABELS, ["a text"], PromptOptions(label_order=["positive", "negative"])
-    )
+    template, words, order = resolve_prompt(LABELS, ["a text"], PromptConfig(label_order="positive,negative"))
     prompt = template.render("the query", [words[x] for x in order], [("shot one", "negative")])
     assert prompt == (
         "Classify the text. Answer with one of: positive, negative.\n\n"
         "Text: shot one\nAnswer: negative\n\nText: the query\nAnswer:"
     )
     with pytest.raises(LoraclsError, match="must list each of the labels"):
-        resolve_prompt(LABELS, ["x"], PromptOptions(label_order=["positive"]))
+        resolve_prompt(LABELS, ["x"], PromptConfig(label_order="positive"))
     with pytest.raises(LoraclsError, match=r"no \{text\} placeholder"):
-        resolve_prompt(LABELS, ["x"], PromptOptions(template="Review:"))
+        resolve_prompt(LABELS, ["x"], PromptConfig(prompt_template="Review:"))
 
 
 def test_language_picks_the_template_and_chinese_verbalisers():
     assert detect_language(["质量很好，推荐购买", "太差了"]) == "zh"
     assert detect_language(["great value", "质量"]) == "en"
-    template, words, _ = resolve_prompt(LABELS, ["质量很好，推荐购买"], PromptOptions())
+    template, words, _ = resolve_prompt(LABELS, ["质量很好，推荐购买"], PromptConfig())
     assert template == TEMPLATES["zh"] and words == {"negative": "负面", "positive": "正面"}
     assert parse_verbalizers("positive=good,negative=bad", LABELS) == {"negative": "bad", "positive": "good"}
     with pytest.raises(LoraclsError, match=r"missing: \['negative'\]"):
@@ -129,7 +127,7 @@ def test_reversed_order_and_distribution_catch_a_position_bias(llama, monkeypatc
     """A model that always answers with the option listed second: the reversed order exposes it."""
     model, tokenizer = llama
     table = toy_reviews(10).assign(id=lambda t: t.index.astype(str))
-    words = {"negative": "bad", "positive": "good"}
+    words = "negative=bad,positive=good"
 
     def second_listed(model, tokenizer, prompts, tokens, batch_size=16):
         first_line = tokenizer.decode(prompts[0]).split("\n")[0]  # "Answer one of: bad, good."
@@ -139,7 +137,7 @@ def test_reversed_order_and_distribution_catch_a_position_bias(llama, monkeypatc
         return scores
 
     monkeypatch.setattr(zeroshot, "label_log_probs", second_listed)
-    options = PromptOptions(verbalizers=words, instruction="Answer one of: {options}.")
+    options = TrainConfig(verbalizers=words, prompt_instruction="Answer one of: {options}.")
     metrics = run_baseline(model, tokenizer, table, LABELS, None, options)
     assert metrics["pred_distribution"] == {"negative": 0, "positive": 10}
     assert metrics["swapped_order"]["pred_distribution"] == {"negative": 10, "positive": 0}
@@ -151,7 +149,7 @@ def test_run_baseline_writes_metrics_and_every_prediction(llama, tmp_path):
     model, tokenizer = llama
     table = toy_reviews(12, seed=3).assign(id=lambda t: [f"r{i}" for i in t.index])
     train = toy_reviews(20, seed=4).assign(id=lambda t: t.index.astype(str))
-    options = PromptOptions(shots=2, calibrate=True, verbalizers={"negative": "bad", "positive": "good"})
+    options = TrainConfig(baseline_shots=2, calibrate=True, verbalizers="negative=bad,positive=good")
     metrics = run_baseline(model, tokenizer, table, LABELS, train, options, tmp_path)
     stored = json.loads((tmp_path / "baseline_metrics.json").read_text())
     assert stored["headline"] == "calibrated" and stored["accuracy"] == stored["calibrated"]["accuracy"]

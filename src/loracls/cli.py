@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import typing
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Annotated
@@ -13,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loracls.config import TrainConfig, field_docs, field_types, parse_overrides
+from loracls.config import GROUPS, PromptConfig, TrainConfig, field_docs, field_types, parse_overrides
 from loracls.errors import LoraclsError
 
 app = typer.Typer(
@@ -48,29 +49,42 @@ def fail(error: LoraclsError) -> None:
     raise typer.Exit(getattr(error, "exit_code", 2))
 
 
-def config_options(command):
-    """Give `command` one `--option` per TrainConfig field (help text from the field's docstring).
+def config_options(command=None, *, only: type | None = None, names: dict[str, list[str]] | None = None):
+    """Give `command` one `--option` per config field (of `TrainConfig`, or of `only`), typed as the field,
+    its help from the field's docstring, its default shown, grouped by topic (`config.GROUPS`).
 
     The options default to None, meaning "not given", so a YAML config and `key=value` overrides can fill
-    in what the command line left out.
+    in what the command line left out. `names` gives a field other spellings (`--shots` beside
+    `--baseline-shots`).
     """
-    docs, types = field_docs(), field_types()
-    params = [
-        inspect.Parameter(
-            f.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                (bool if types[f.name] is bool else str) | None,
-                typer.Option(help=f"{docs[f.name]} [default: {f.default}]", show_default=False),
-            ],
-        )
-        for f in fields(TrainConfig)
-    ]
-    signature = inspect.signature(command, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.name != "options"]
-    command.__signature__ = signature.replace(parameters=own + params)
-    return command
+
+    def decorate(command):
+        docs, types = field_docs(), field_types()
+        panel = {key: group for group, keys in GROUPS.items() for key in keys}
+        params = []
+        by_name = {f.name: f for f in fields(only or TrainConfig)}
+        order = [key for keys in GROUPS.values() for key in keys if key in by_name]
+        for f in (by_name[key] for key in order):
+            kind = next((a for a in typing.get_args(types[f.name]) if a is not type(None)), types[f.name])
+            spelled = [f"--{f.name.replace('_', '-')}", *(names or {}).get(f.name, [])]
+            if kind is bool:
+                spelled = [f"{spelled[0]}/--no-{spelled[0][2:]}", *spelled[1:]]
+            option = typer.Option(
+                *spelled,
+                help=docs[f.name],
+                show_default="none" if f.default is None else str(f.default),
+                rich_help_panel=None if only else panel[f.name],
+            )
+            annotation = Annotated[kind | None, option]
+            params.append(
+                inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+            )
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != "options"]
+        command.__signature__ = signature.replace(parameters=own + params)
+        return command
+
+    return decorate(command) if command is not None else decorate
 
 
 @app.command()
@@ -122,33 +136,33 @@ def train(
 
 
 @app.command()
+@config_options(
+    only=PromptConfig,
+    names={
+        "baseline_shots": ["--shots"],
+        "prompt_template": ["--template"],
+        "prompt_instruction": ["--instruction"],
+    },
+)
 def baseline(
     data: Annotated[str, typer.Option(help="A labelled file (scored in full) or a built-in dataset")],
     model: Annotated[str, typer.Option(help="Model alias, folder, .gguf file or hub id")] = TrainConfig.model,
     split: Annotated[str, typer.Option(help="Split of a built-in dataset: train, val or test")] = "test",
     train: Annotated[str | None, typer.Option(help="Labelled file to draw --shots from")] = None,
-    shots: Annotated[int, typer.Option(help="Examples per prompt, balanced over labels")] = 0,
-    template: Annotated[
-        str | None, typer.Option(help="Query block with {text}; ends where the answer starts")
-    ] = None,
-    instruction: Annotated[
-        str | None, typer.Option(help="First line of the prompt; may use {options}")
-    ] = None,
-    verbalizers: Annotated[str | None, typer.Option(help="label=word,... (default: label names)")] = None,
-    label_order: Annotated[str | None, typer.Option(help="Labels in the order the prompt lists them")] = None,
-    calibrate: Annotated[bool, typer.Option(help="Headline the calibrated figures")] = False,
     max_examples: Annotated[int | None, typer.Option(help="Score a stratified sample of this size")] = None,
     max_length: Annotated[int, typer.Option(help="Tokens kept of each text")] = TrainConfig.max_length,
     text_column: Annotated[str, typer.Option(help="Text column of a file")] = TrainConfig.text_column,
     label_column: Annotated[str, typer.Option(help="Label column of a file")] = TrainConfig.label_column,
     out: Annotated[Path | None, typer.Option(help="Write baseline_metrics.json and predictions here")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the shots and the built-in splits")] = TrainConfig.seed,
+    **options,
 ) -> None:
     """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
     from loracls.model import load_tokenizer, resolve_model
-    from loracls.zeroshot import baseline_line, baseline_on_device, load_baseline_data, prompt_options
+    from loracls.zeroshot import baseline_line, baseline_on_device, load_baseline_data
 
     try:
+        given = {k: v for k, v in options.items() if v is not None}
         cfg = TrainConfig(
             model=model,
             data=data,
@@ -157,19 +171,12 @@ def baseline(
             max_length=max_length,
             text_column=text_column,
             label_column=label_column,
-            baseline_shots=shots,
-            verbalizers=verbalizers,
-            prompt_template=template,
-            prompt_instruction=instruction,
-            label_order=label_order,
-            calibrate=calibrate,
+            **given,
         )
         table, shots_from, labels = load_baseline_data(data, split, train, cfg)
         path = resolve_model(model)
         tokenizer = load_tokenizer(path)
-        metrics = baseline_on_device(
-            path, tokenizer, table, labels, shots_from, prompt_options(cfg, labels), out
-        )
+        metrics = baseline_on_device(path, tokenizer, table, labels, shots_from, cfg, out)
     except LoraclsError as e:
         fail(e)
     console.print(baseline_line(metrics), soft_wrap=True)

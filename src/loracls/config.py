@@ -18,7 +18,26 @@ from loracls.errors import LoraclsError
 
 
 @dataclass
-class TrainConfig:
+class PromptConfig:
+    """How the prompt baseline builds and reads its prompts: the keys `loracls train` (options and YAML) and
+    `loracls baseline` share, defined once here."""
+
+    baseline_shots: int = 0
+    """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
+    verbalizers: str | None = None
+    """Words the baseline compares, `label=word,...`; default: label names (正面/负面/中性 for Chinese)."""
+    prompt_template: str | None = None
+    """The baseline's query block with `{text}`, ending where the answer starts; default per language."""
+    prompt_instruction: str | None = None
+    """The baseline prompt's first line, may use `{options}` (verbalisers in label_order)."""
+    label_order: str | None = None
+    """Order of the labels listed in the baseline prompt, comma-separated; default: label-id order."""
+    calibrate: bool = False
+    """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
+
+
+@dataclass
+class TrainConfig(PromptConfig):
     """Everything `loracls train` needs; `RUN/config.yaml` stores the resolved copy."""
 
     model: str = "gemma3-270m"
@@ -50,7 +69,9 @@ class TrainConfig:
     """Repeated texts and texts shared between splits: `drop` (keep one copy; drop texts labelled two ways;
     remove from train what val/test hold), `keep` (report only) or `error` (refuse)."""
     max_train_examples: int | None = None
-    """Keep at most this many training examples (a stratified sample), after the splits are made."""
+    """Keep at most this many training examples (a stratified sample), after the splits are made. Both this
+    and `train_fraction` stay: a count is a fixed labelling budget whatever the data's size, a share keeps a
+    learning-curve sweep meaningful on any data set."""
     train_fraction: float | None = None
     """Keep this share of the training examples (a stratified sample), after the splits are made; with
     `max_train_examples` as well, the smaller wins. Sweeps use it for learning curves."""
@@ -135,18 +156,6 @@ class TrainConfig:
     """`torch.compile` the model before training (opt-in: the first steps pay for compilation)."""
     baseline: bool = True
     """Score the prompt baseline (the base model's LM head, no training) on the test split before training."""
-    baseline_shots: int = 0
-    """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
-    verbalizers: str | None = None
-    """Words the baseline compares, `label=word,...`; default: label names (正面/负面/中性 for Chinese)."""
-    prompt_template: str | None = None
-    """The baseline's query block with `{text}`, ending where the answer starts; default per language."""
-    prompt_instruction: str | None = None
-    """The baseline prompt's first line, may use `{options}` (verbalisers in label_order)."""
-    label_order: str | None = None
-    """Order of the labels listed in the baseline prompt, comma-separated; default: label-id order."""
-    calibrate: bool = False
-    """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
     smoke_test: bool = True
     """On a GPU, run `loracls doctor`'s child-process smoke test before loading the model."""
     track: str | None = None
@@ -316,15 +325,51 @@ def field_types() -> dict[str, Any]:
 
 @functools.cache
 def field_docs() -> dict[str, str]:
-    """The docstring under each field, read from the source so that help text has one home."""
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body
+    """The docstring under each field (of TrainConfig and PromptConfig), read from the source so that help
+    text has one home."""
     docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-        ):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    for cls in (PromptConfig, TrainConfig):
+        body = ast.parse(inspect.getsource(cls)).body[0].body
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+            ):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs
+
+
+GROUPS = {
+    "Model and data": [
+        *("model", "data", "val", "test", "text_column", "label_column", "multi_label", "label_separator"),
+        *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
+        *("max_eval_examples", "max_length"),
+    ],
+    "LoRA and head": [
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "allow_few_targets",
+        "head_init",
+    ],
+    "Optimisation": [
+        *("epochs", "lr", "batch_size", "weight_decay", "warmup_ratio", "warmup_steps", "max_grad_norm"),
+        *("class_weights", "seed"),
+    ],
+    "Validation, checkpoints, logs": [
+        *("eval_every", "metric", "early_stopping_patience", "log_every", "save_every", "keep_checkpoints"),
+        *("track", "out"),
+    ],
+    "Prompt baseline": [
+        *("baseline", "baseline_shots", "verbalizers", "prompt_template", "prompt_instruction"),
+        *("label_order", "calibrate"),
+    ],
+    "Speed and memory": [
+        *("micro_batch_size", "length_grouping", "balance_labels", "precision", "gradient_checkpointing"),
+        *("attention", "compile", "quantize"),
+    ],
+    "Safety": ["skip_nonfinite", "smoke_test", "trust_remote_code", "allow_pickle"],
+}
+"""The config keys by topic, in the order `loracls train --help` and the README list them."""

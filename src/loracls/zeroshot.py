@@ -19,7 +19,7 @@ from accelerate.utils import gather_object
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from loracls.config import TrainConfig
+from loracls.config import PromptConfig, TrainConfig
 from loracls.data import (
     BUILTIN_DATASETS,
     Splits,
@@ -62,37 +62,6 @@ TEMPLATES = {
 ZH_WORDS = {"positive": "正面", "negative": "负面", "neutral": "中性"}
 
 
-@dataclass
-class PromptOptions:
-    """How the baseline prompts are built and read; `None` fields take defaults from the data's language."""
-
-    verbalizers: dict[str, str] | None = None
-    template: str | None = None
-    instruction: str | None = None
-    label_order: list[str] | None = None
-    shots: int = 0
-    calibrate: bool = False
-    seed: int = 42
-    max_length: int = 256
-    """Tokens of each text kept in the prompt (the rest of the prompt is never cut)."""
-    batch_size: int = 16
-
-
-def prompt_options(cfg: TrainConfig, labels: list[str]) -> PromptOptions:
-    """The baseline settings of a training config."""
-    return PromptOptions(
-        verbalizers=parse_verbalizers(cfg.verbalizers, labels),
-        template=cfg.prompt_template,
-        instruction=cfg.prompt_instruction,
-        label_order=[x.strip() for x in cfg.label_order.split(",")] if cfg.label_order else None,
-        shots=cfg.baseline_shots,
-        calibrate=cfg.calibrate,
-        seed=cfg.seed,
-        max_length=cfg.max_length,
-        batch_size=cfg.micro_batch_size or CPU_MICRO_BATCH,
-    )
-
-
 def load_baseline_data(
     data: str, split: str, train_file: str | None, cfg: TrainConfig
 ) -> tuple[pd.DataFrame, pd.DataFrame | None, list[str]]:
@@ -119,13 +88,11 @@ def baseline_on_device(
     table: pd.DataFrame,
     labels: list[str],
     train: pd.DataFrame | None,
-    options: PromptOptions,
+    cfg: TrainConfig,
     out: Path | None = None,
     device: torch.device | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
     processes: PartialState | None = None,
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
 ) -> dict:
     """`run_baseline` with the LM loaded onto `device` (default: the GPU when there is one) under
     `autocast` (default: the precision `auto` picks there); the LM is freed afterwards.
@@ -133,9 +100,9 @@ def baseline_on_device(
     With `processes` (several), each scores its share of the prompts and all get the whole result.
     """
     device = device or inference_device()
-    model = load_causal_lm(model_path, trust_remote_code, allow_pickle).to(device)
+    model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(device)
     with autocast or inference_autocast(device):
-        metrics = run_baseline(model, tokenizer, table, labels, train, options, out, processes)
+        metrics = run_baseline(model, tokenizer, table, labels, train, cfg, out, processes)
     del model
     return metrics
 
@@ -159,13 +126,11 @@ def baseline_for_run(
         splits.test,
         splits.labels,
         splits.train,
-        prompt_options(cfg, splits.labels),
+        cfg,
         out,
         accelerator.device,
         accelerator.autocast(),
         accelerator.state,
-        cfg.trust_remote_code,
-        cfg.allow_pickle,
     )
 
 
@@ -190,22 +155,21 @@ def parse_verbalizers(spec: str | None, labels: list[str]) -> dict[str, str] | N
     return {label: pairs[label] for label in labels}
 
 
-def resolve_prompt(
-    labels: list[str], texts: list[str], options: PromptOptions
-) -> tuple[Template, dict, list]:
-    """The template, {label: verbaliser} and the label order listed in the prompt, defaults filled in."""
+def resolve_prompt(labels: list[str], texts: list[str], prompt: PromptConfig) -> tuple[Template, dict, list]:
+    """The template, {label: verbaliser} and the label order listed in the prompt, defaults filled in from
+    the texts' language."""
     language = detect_language(texts)
     template = TEMPLATES[language]
-    if options.template is not None:
-        if "{text}" not in options.template:
-            raise LoraclsError(f"prompt template {options.template!r} has no {{text}} placeholder")
-        template = Template(template.instruction, options.template, template.separator)
-    if options.instruction is not None:
-        template = Template(options.instruction, template.example, template.separator)
-    words = options.verbalizers or {
+    if prompt.prompt_template is not None:
+        if "{text}" not in prompt.prompt_template:
+            raise LoraclsError(f"prompt template {prompt.prompt_template!r} has no {{text}} placeholder")
+        template = Template(template.instruction, prompt.prompt_template, template.separator)
+    if prompt.prompt_instruction is not None:
+        template = Template(prompt.prompt_instruction, template.example, template.separator)
+    words = parse_verbalizers(prompt.verbalizers, labels) or {
         label: ZH_WORDS.get(label, label) if language == "zh" else label for label in labels
     }
-    order = options.label_order or labels
+    order = [x.strip() for x in prompt.label_order.split(",")] if prompt.label_order else labels
     if sorted(order) != sorted(labels):
         raise LoraclsError(f"label_order {order} must list each of the labels {labels} once")
     return template, words, order
@@ -376,37 +340,39 @@ def run_baseline(
     table: pd.DataFrame,
     labels: list[str],
     train: pd.DataFrame | None,
-    options: PromptOptions,
+    cfg: TrainConfig,
     out: Path | None = None,
     processes: PartialState | None = None,
 ) -> dict:
     """Score `table` with the prompt baseline; write `baseline_metrics.json` and predictions into `out`.
 
-    With `processes` (several), each process scores every n-th prompt and all of them get the whole result.
+        With `processes` (several), each process scores every n-th prompt and all of them get the whole result.
 
-    Reports the uncalibrated and calibrated figures and, as a bias check, the figures with the label order
-    in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
-    with `options.calibrate`, else the uncalibrated one.
+        Reports the uncalibrated and calibrated figures and, as a bias check, the figures with the label order
+        in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
+        with `cfg.calibrate`, else the uncalibrated one. The prompt follows `cfg`'s prompt keys (`PromptConfig`);
+    `cfg.max_length` tokens of each text are kept, `cfg.seed` draws the shots.
     """
     started = time.perf_counter()
-    template, words, order = resolve_prompt(labels, list(table["text"]), options)
-    if options.shots and (train is None or train.empty):
+    template, words, order = resolve_prompt(labels, list(table["text"]), cfg)
+    batch_size = cfg.micro_batch_size or CPU_MICRO_BATCH
+    if cfg.baseline_shots and (train is None or train.empty):
         raise LoraclsError("shots > 0 needs training examples to draw them from (--train FILE)")
-    shots = draw_shots(train if train is not None else table.iloc[:0], labels, options.shots, options.seed)
+    shots = draw_shots(train if train is not None else table.iloc[:0], labels, cfg.baseline_shots, cfg.seed)
     tokens = verbalizer_tokens(tokenizer, template, words)
     token_lists = [tokens[label] for label in labels]
     prompter = Prompter(
-        tokenizer, template, words, list(zip(shots["text"], shots["label"], strict=True)), options.max_length
+        tokenizer, template, words, list(zip(shots["text"], shots["label"], strict=True)), cfg.max_length
     )
     texts = list(table["text"])
 
     def log_probs(inputs: list[str], label_order: list[str]) -> np.ndarray:
         prompts = prompter.encode(inputs, label_order)
         if processes is None or processes.num_processes == 1:
-            return label_log_probs(model, tokenizer, prompts, token_lists, options.batch_size)
+            return label_log_probs(model, tokenizer, prompts, token_lists, batch_size)
         # every n-th prompt per process; the shares are put back in order on every process
         n, rank = processes.num_processes, processes.process_index
-        mine = label_log_probs(model, tokenizer, prompts[rank::n], token_lists, options.batch_size)
+        mine = label_log_probs(model, tokenizer, prompts[rank::n], token_lists, batch_size)
         scores = np.zeros((len(prompts), len(token_lists)))
         for r, share in enumerate(gather_object([mine])):
             scores[r::n] = share
@@ -417,7 +383,7 @@ def run_baseline(
     swapped = log_probs(texts, order[::-1])
     probs = softmax(scores)
     calibrated = calibrate(probs, content_free)
-    headline = "calibrated" if options.calibrate else "uncalibrated"
+    headline = "calibrated" if cfg.calibrate else "uncalibrated"
     results = {
         "uncalibrated": summary(table, probs, labels),
         "calibrated": {
@@ -435,7 +401,7 @@ def run_baseline(
             "verbalizers": words,
             "verbalizer_tokens": {label: len(ids) for label, ids in tokens.items()},
             "label_order": order,
-            "shots": options.shots,
+            "shots": cfg.baseline_shots,
             "example": prompter.prompt(texts[0], order),
         },
         "wall_s": round(time.perf_counter() - started, 2),

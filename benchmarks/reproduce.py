@@ -1,0 +1,112 @@
+"""Re-measure every figure that README.md and benchmarks/README.md quote, on the current commit.
+
+    python benchmarks/reproduce.py                 # all of it: about two hours on 2 CPU cores
+    python benchmarks/reproduce.py --only demo,mfu # some of it
+    python benchmarks/reproduce.py --quick         # each script once at toy sizes, results to a temp folder
+    python benchmarks/reproduce.py --list
+
+Each job is one benchmark script with the arguments its README figure came from; each writes its JSON under
+benchmarks/results/ with the commit, whether src/ was modified, the machine (CPU flags, GPU) and the date
+(`common.write_result`). Jobs run one after another in child processes; a failed job is reported and the
+others still run. `make numbers` runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DEMO_RUN = "runs/demo-benchmark"
+
+JOBS: dict[str, tuple[list[str], list[str]]] = {
+    # name: (full arguments, quick arguments); `{out}` is the results folder
+    "demo": (
+        ["demo.py", "--out", "{out}/demo.json", "--run-dir", DEMO_RUN],
+        ["demo.py", "--out", "{out}/demo.json", "--run-dir", "{out}/demo-run"]
+        + ["max_train_examples=64", "max_eval_examples=32", "eval_every=2"],
+    ),
+    "prompt_baseline": (
+        ["prompt_baseline.py", "--run", f"zh-reviews={DEMO_RUN}", "--out", "{out}/prompt_baseline.json"],
+        [
+            "prompt_baseline.py",
+            "--max-eval-examples",
+            "16",
+            "--shots",
+            "0",
+            "--out",
+            "{out}/prompt_baseline.json",
+        ],
+    ),
+    "lora_vs_tfidf": (
+        [
+            "lora_vs_tfidf.py",
+            "--eval",
+            "500",
+            "--also",
+            "head_init=normal",
+            "--out",
+            "{out}/lora_vs_tfidf.json",
+        ],
+        ["lora_vs_tfidf.py", "--train", "64", "--eval", "32", "--out", "{out}/lora_vs_tfidf.json"],
+    ),
+    "train_throughput": (
+        ["train_throughput.py", "--steps", "24", "--eval", "200", "--out", "{out}/train_throughput.json"],
+        [
+            "train_throughput.py",
+            "--steps",
+            "2",
+            "--eval",
+            "16",
+            "--ways",
+            "loracls",
+            "--out",
+            "{out}/tt.json",
+        ],
+    ),
+    "mfu": (
+        ["mfu.py", "--steps", "24", "--out", "{out}/mfu.json"],
+        ["mfu.py", "--steps", "2", "--out", "{out}/mfu.json"],
+    ),
+    "inference": (
+        ["inference.py", "--texts", "500", "--out", "{out}/inference.json"],
+        ["inference.py", "--texts", "16", "--out", "{out}/inference.json"],
+    ),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(JOBS), help="comma-separated jobs (see --list)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes, results into a temporary folder")
+    parser.add_argument("--list", action="store_true", help="print the jobs and their commands")
+    args = parser.parse_args()
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(JOBS))
+    if unknown:
+        parser.error(f"unknown jobs {unknown}; known: {', '.join(JOBS)}")
+    out = Path(tempfile.mkdtemp(prefix="loracls-numbers-")) if args.quick else HERE / "results"
+    failed = []
+    for name in names:
+        arguments = [a.format(out=out) for a in JOBS[name][1 if args.quick else 0]]
+        command = [sys.executable, str(HERE / arguments[0]), *arguments[1:]]
+        print(f"== {name}: {' '.join(command[1:])}", flush=True)
+        if args.list:
+            continue
+        started = time.perf_counter()
+        done = subprocess.run(command)
+        minutes = (time.perf_counter() - started) / 60
+        print(f"== {name}: {'ok' if done.returncode == 0 else 'FAILED'} in {minutes:.1f} min", flush=True)
+        if done.returncode != 0:
+            failed.append(name)
+    if not args.list:
+        print(f"results in {out}; failed: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
