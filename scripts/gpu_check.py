@@ -336,11 +336,11 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         metrics = baseline_on_device(
             str(model_dir),
+            TrainConfig(verbalizers="negative=bad,positive=good"),
             load_tokenizer(str(model_dir)),
             table,
             ["negative", "positive"],
             None,
-            TrainConfig(verbalizers="negative=bad,positive=good"),
         )
         used = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
         assert device != "cuda" or used > 0.1, "the baseline allocated nothing on the GPU"

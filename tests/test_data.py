@@ -3,8 +3,9 @@ import random
 import pandas as pd
 import pytest
 
+from loracls.batching import LengthGroupedBatches
 from loracls.config import TrainConfig
-from loracls.data import LengthGroupedBatches, load_splits, read_labelled
+from loracls.data import load_splits, read_labelled
 from loracls.errors import LoraclsError
 from tests.conftest import toy_reviews
 

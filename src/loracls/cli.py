@@ -176,7 +176,7 @@ def baseline(
         table, shots_from, labels = load_baseline_data(data, split, train, cfg)
         path = resolve_model(model)
         tokenizer = load_tokenizer(path)
-        metrics = baseline_on_device(path, tokenizer, table, labels, shots_from, cfg, out)
+        metrics = baseline_on_device(path, cfg, tokenizer, table, labels, shots_from, out)
     except LoraclsError as e:
         fail(e)
     console.print(baseline_line(metrics), soft_wrap=True)

@@ -22,7 +22,7 @@ from sklearn.metrics import (
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from loracls.data import LengthGroupedBatches
+from loracls.batching import LengthGroupedBatches
 from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
 

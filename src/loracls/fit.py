@@ -27,8 +27,9 @@ from torch.optim import AdamW
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from loracls import checkpoints
+from loracls.batching import make_loader
 from loracls.config import TrainConfig
-from loracls.data import Splits, make_loader
+from loracls.data import Splits
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
 from loracls.objective import ClassificationHead

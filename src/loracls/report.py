@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
-from loracls.files import write_text
+from loracls.files import write_text  # noqa: E402
 from loracls.runs import RunFolder  # noqa: E402
 
 STYLE = """
@@ -208,33 +208,18 @@ def flips(run: RunFolder, best: int | None) -> tuple[list[list], list[list]]:
 
 
 def build_report(run_dir: str | Path) -> Path:
-    """Write `RUN/report.html` and `RUN/plots/*.png` from what the run folder holds; return the page."""
+    """Write `RUN/report.html` and `RUN/plots/*.png` from what the run folder holds; return the page.
+
+    Results first (test metrics, baseline vs fine-tuned, per class, confusion, curves), then what to look at
+    (mistakes, how predictions changed), the configuration and environment last, folded.
+    """
     run = RunFolder(Path(run_dir))
-    config = yaml.safe_load(run.file("config.yaml").read_text(encoding="utf-8"))
-    env = (
-        json.loads(run.file("env.json").read_text(encoding="utf-8")) if run.file("env.json").is_file() else {}
-    )
-    metrics = (
-        json.loads(run.file("metrics.json").read_text(encoding="utf-8"))
-        if run.file("metrics.json").is_file()
-        else {}
-    )
-    log = read_jsonl(run.file("train_log.jsonl"))
+    metrics = read_json(run.file("metrics.json"))
     labels = run.read_labels()
     best_step = metrics.get("best_val", {}).get("step")
     font_note = use_cjk_font(labels)
-    plots: dict[str, bytes] = {}
-    if log:
-        plots["curves"] = curves_plot(log, best_step)
+    plots = write_plots(run, metrics, labels, best_step)
     test = metrics.get("test")
-    if test:
-        plots["per_class"] = per_class_plot(test["per_class"])
-    if test and "confusion_matrix" in test:
-        plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
-    (run.path / "plots").mkdir(exist_ok=True)
-    for name, data in plots.items():
-        (run.path / "plots" / f"{name}.png").write_bytes(data)
-
     status = run.status()
     parts = [f"<h1>loracls run {html.escape(run.path.name)}</h1>"]
     if status != "finished":
@@ -246,92 +231,112 @@ def build_report(run_dir: str | Path) -> Path:
             f"<p><b>test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}</b> on {test['n']} "
             f"examples; best validation step {best_step}.</p>"
         )
-
-    parts.append('<h2 id="baseline">Prompt baseline vs fine-tuned</h2>')
-    baseline = metrics.get("baseline")
-    if baseline and test:
-        rows = [
-            [name, baseline[key], test[key], test[key] - baseline[key]]
-            for name, key in (("accuracy", "accuracy"), ("macro-F1", "macro_f1"))
-        ]
-        parts.append(
-            table(
-                [
-                    "test metric",
-                    f"baseline ({baseline['shots']}-shot, {baseline['headline']})",
-                    "fine-tuned",
-                    "gain",
-                ],
-                rows,
-                {1, 2, 3},
-            )
-        )
-    else:
-        parts.append('<p class="note">No baseline in this run (--no-baseline).</p>')
-
-    parts.append('<h2 id="per-class">Per-class precision, recall and F1 (test)</h2>')
-    if test:
-        rows = [
-            [name, r["precision"], r["recall"], r["f1-score"], int(r["support"])]
-            for name, r in test["per_class"].items()
-        ]
-        averages = [k for k in ("micro", "macro", "weighted") if f"{k}_f1" in test]
-        rows += [[f"{k} avg", "", "", test[f"{k}_f1"], test["n"]] for k in averages]
-        parts.append(table(["class", "precision", "recall", "F1", "support"], rows, {1, 2, 3, 4}))
-        parts.append(img(plots["per_class"], "per-class metrics"))
-        parts.append('<h2 id="confusion">Confusion matrix (test)</h2>')
-        if "confusion" in plots:
-            parts.append(img(plots["confusion"], "confusion matrix"))
-        else:  # multi-label: one 2x2 matrix per label
-            rows = [[name, *m[0], *m[1]] for name, m in test["label_confusion"].items()]
-            header = ["label", "true negative", "false positive", "false negative", "true positive"]
-            parts.append(table(header, rows, {1, 2, 3, 4}))
-
+    parts += baseline_section(metrics.get("baseline"), test)
+    parts += per_class_sections(test, plots)
     parts.append('<h2 id="curves">Training curves</h2>')
     parts.append(img(plots["curves"], "training curves") if "curves" in plots else "<p>No training log.</p>")
+    parts += mistakes_sections(run, best_step)
+    parts += config_section(run)
+    out = run.file("report.html")
+    write_text(out, page(f"loracls {run.path.name}", parts))
+    return out
 
-    parts.append('<h2 id="mistakes">Most confident mistakes (test)</h2>')
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int | None) -> dict[str, bytes]:
+    """The run's PNG plots (curves, per-class bars, confusion matrix), also written to RUN/plots/."""
+    log = read_jsonl(run.file("train_log.jsonl"))
+    test = metrics.get("test")
+    plots: dict[str, bytes] = {}
+    if log:
+        plots["curves"] = curves_plot(log, best_step)
+    if test:
+        plots["per_class"] = per_class_plot(test["per_class"])
+    if test and "confusion_matrix" in test:
+        plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
+    (run.path / "plots").mkdir(exist_ok=True)
+    for name, data in plots.items():
+        (run.path / "plots" / f"{name}.png").write_bytes(data)
+    return plots
+
+
+def baseline_section(baseline: dict | None, test: dict | None) -> list[str]:
+    parts = ['<h2 id="baseline">Prompt baseline vs fine-tuned</h2>']
+    if not (baseline and test):
+        return parts + ['<p class="note">No baseline in this run (--no-baseline).</p>']
+    rows = [
+        [name, baseline[key], test[key], test[key] - baseline[key]]
+        for name, key in (("accuracy", "accuracy"), ("macro-F1", "macro_f1"))
+    ]
+    header = [
+        "test metric",
+        f"baseline ({baseline['shots']}-shot, {baseline['headline']})",
+        "fine-tuned",
+        "gain",
+    ]
+    return parts + [table(header, rows, {1, 2, 3})]
+
+
+def per_class_sections(test: dict | None, plots: dict[str, bytes]) -> list[str]:
+    """Per-class precision, recall and F1 (table and bars); the confusion matrix (multi-label: 2x2 each)."""
+    parts = ['<h2 id="per-class">Per-class precision, recall and F1 (test)</h2>']
+    if not test:
+        return parts
+    rows = [
+        [name, r["precision"], r["recall"], r["f1-score"], int(r["support"])]
+        for name, r in test["per_class"].items()
+    ]
+    averages = [k for k in ("micro", "macro", "weighted") if f"{k}_f1" in test]
+    rows += [[f"{k} avg", "", "", test[f"{k}_f1"], test["n"]] for k in averages]
+    parts.append(table(["class", "precision", "recall", "F1", "support"], rows, {1, 2, 3, 4}))
+    parts.append(img(plots["per_class"], "per-class metrics"))
+    parts.append('<h2 id="confusion">Confusion matrix (test)</h2>')
+    if "confusion" in plots:
+        return parts + [img(plots["confusion"], "confusion matrix")]
+    rows = [[name, *m[0], *m[1]] for name, m in test["label_confusion"].items()]
+    header = ["label", "true negative", "false positive", "false negative", "true positive"]
+    return parts + [table(header, rows, {1, 2, 3, 4})]
+
+
+def mistakes_sections(run: RunFolder, best_step: int | None) -> list[str]:
+    """The most confident test mistakes, and how validation predictions changed between checkpoints."""
+    parts = ['<h2 id="mistakes">Most confident mistakes (test)</h2>']
     wrong = mistakes(read_jsonl(run.file("test_predictions.jsonl")))
     rows = [[p["text"], p["gold"], p["predicted"], confidence(p)] for p in wrong[:MAX_ROWS]]
     multi = bool(wrong) and isinstance(wrong[0]["predicted"], list)
     header = ["text", "gold", "predicted", "labels wrong" if multi else "confidence"]
     parts.append(table(header, rows, {3}) if rows else "<p>No mistakes.</p>")
-
     parts.append('<h2 id="flips">How validation predictions changed between checkpoints</h2>')
     pairs, examples = flips(run, best_step)
-    parts.append(
-        table(["validations", "changed", "wrong to right", "right to wrong"], pairs, {1, 2, 3})
-        if pairs
-        else "<p>Only one validation.</p>"
-    )
+    header = ["validations", "changed", "wrong to right", "right to wrong"]
+    parts.append(table(header, pairs, {1, 2, 3}) if pairs else "<p>Only one validation.</p>")
     if examples:
         parts.append(
             f"<p>{len(examples)} examples predicted differently at the first and the best validation:</p>"
         )
         parts.append(table(["text", "gold", "first", "best"], examples[:MAX_ROWS]))
+    return parts
 
-    parts.append('<h2 id="config">Configuration and environment</h2><details><summary>show</summary>')
-    parts.append(table(["key", "value"], [[k, v] for k, v in config.items()]))
-    keys = (
-        "backend",
-        "name",
-        "device",
-        "mixed_precision",
-        "torch",
-        "torch_hip",
-        "torch_cuda",
-        "transformers",
-        "peft",
-        "accelerate",
-        "python",
-        "platform",
-    )
-    parts.append(table(["environment", "value"], [[k, env[k]] for k in keys if env.get(k) is not None]))
-    parts.append("</details>")
 
-    out = run.file("report.html")
-    write_text(out, page(f"loracls {run.path.name}", parts))
-    return out
+ENVIRONMENT_KEYS = (
+    *("backend", "name", "device", "mixed_precision", "torch", "torch_hip", "torch_cuda", "transformers"),
+    *("peft", "accelerate", "python", "platform"),
+)
+
+
+def config_section(run: RunFolder) -> list[str]:
+    """The resolved config and the environment, folded (`<details>`): the reader comes for the results."""
+    config = yaml.safe_load(run.file("config.yaml").read_text(encoding="utf-8"))
+    env = read_json(run.file("env.json"))
+    return [
+        '<h2 id="config">Configuration and environment</h2><details><summary>show</summary>',
+        table(["key", "value"], [[k, v] for k, v in config.items()]),
+        table(["environment", "value"], [[k, env[k]] for k in ENVIRONMENT_KEYS if env.get(k) is not None]),
+        "</details>",
+    ]
 
 
 def page(title: str, parts: list[str]) -> str:

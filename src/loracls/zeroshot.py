@@ -84,11 +84,11 @@ def load_baseline_data(
 
 def baseline_on_device(
     model_path: str,
+    cfg: TrainConfig,
     tokenizer: PreTrainedTokenizerBase,
     table: pd.DataFrame,
     labels: list[str],
     train: pd.DataFrame | None,
-    cfg: TrainConfig,
     out: Path | None = None,
     device: torch.device | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
@@ -122,11 +122,11 @@ def baseline_for_run(
     """
     return baseline_on_device(
         model_path,
+        cfg,
         tokenizer,
         splits.test,
         splits.labels,
         splits.train,
-        cfg,
         out,
         accelerator.device,
         accelerator.autocast(),
@@ -346,12 +346,11 @@ def run_baseline(
 ) -> dict:
     """Score `table` with the prompt baseline; write `baseline_metrics.json` and predictions into `out`.
 
-        With `processes` (several), each process scores every n-th prompt and all of them get the whole result.
-
-        Reports the uncalibrated and calibrated figures and, as a bias check, the figures with the label order
-        in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
-        with `cfg.calibrate`, else the uncalibrated one. The prompt follows `cfg`'s prompt keys (`PromptConfig`);
-    `cfg.max_length` tokens of each text are kept, `cfg.seed` draws the shots.
+    Reports the uncalibrated and calibrated figures and, as a bias check, the figures with the label order
+    in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
+    with `cfg.calibrate`, else the uncalibrated one. The prompt follows `cfg`'s prompt keys (`PromptConfig`);
+    `cfg.max_length` tokens of each text are kept, `cfg.seed` draws the shots. With `processes` (several),
+    each process scores every n-th prompt and all of them get the whole result.
     """
     started = time.perf_counter()
     template, words, order = resolve_prompt(labels, list(table["text"]), cfg)

@@ -1,0 +1,100 @@
+"""Batches: length-grouped, label-balanced training micro-batches (`LengthGroupedBatches`, `make_loader`), and
+the length-sorted inference order. Texts are padded per batch, never to `max_length`."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from datasets import Dataset
+from torch.utils.data import DataLoader, Sampler
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+
+
+class LengthGroupedBatches(Sampler[list[int]]):
+    """Batches of similar length, so little compute is spent on padding.
+
+    Training (`shuffle=True`): shuffle, cut into mega-batches of `group` batches, sort each by length, cut
+    into batches, shuffle the batches (the scheme of transformers' `LengthGroupedSampler`; `group=1` gives
+    random batches). With `labels`, each mega-batch is sorted by length within each label and the labels are
+    interleaved by rank (an example's place is its rank among its label's examples, as a fraction), so each
+    batch holds about the label mix of the mega-batch: where length goes with the label, a plain length sort
+    gives label-skewed batches. Evaluation (`shuffle=False`): sort everything by length; callers restore the
+    original order with the indices.
+
+    The batch size is kept as `size`, not `batch_size`: accelerate's multi-process sharding would read a
+    `batch_size` as "every batch is full" and skip the one short batch wherever shuffling put it.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        batch_size: int,
+        shuffle: bool,
+        seed: int = 0,
+        group: int = 50,
+        labels: list[str] | None = None,
+    ):
+        self.lengths, self.labels, self.size, self.group = lengths, labels, batch_size, group
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        rng = random.Random(self.seed + self.epoch)
+        if not self.shuffle:
+            order.sort(key=lambda i: self.lengths[i])
+            return [order[i : i + self.size] for i in range(0, len(order), self.size)]
+        rng.shuffle(order)
+        mega = self.size * self.group
+        out = []
+        for start in range(0, len(order), mega):
+            chunk = sorted(order[start : start + mega], key=lambda i: self.lengths[i], reverse=True)
+            if self.labels is not None:
+                chunk = self.interleave_labels(chunk)
+            out += [chunk[i : i + self.size] for i in range(0, len(chunk), self.size)]
+        rng.shuffle(out)
+        return out
+
+    def interleave_labels(self, chunk: list[int]) -> list[int]:
+        """`chunk` (sorted by length, longest first) reordered by each example's rank within its label."""
+        by_label: dict[str, list[int]] = defaultdict(list)
+        for i in chunk:
+            by_label[self.labels[i]].append(i)
+        place = {i: (rank + 0.5) / len(same) for same in by_label.values() for rank, i in enumerate(same)}
+        return sorted(chunk, key=place.__getitem__)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.size)
+
+
+def make_loader(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    batch_size: int,
+    shuffle: bool,
+    seed: int = 0,
+    generator: torch.Generator | None = None,
+    group: int = 50,
+    balance_labels: bool = False,
+) -> DataLoader:
+    """A loader over length-grouped batches (`LengthGroupedBatches`), padded per batch to its longest text.
+
+    `balance_labels` keeps the label mix in every training batch (the dataset's `labels`; a multi-label
+    target counts as one label per combination). `generator` gives the loader its own RNG for the seed it
+    draws per iterator; without one that draw comes from torch's global RNG, which dropout also uses.
+    """
+    lengths = [len(x) for x in dataset["input_ids"]]
+    labels = [str(y) for y in dataset["labels"]] if balance_labels and shuffle else None
+    sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed, group, labels)
+    return DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer), generator=generator
+    )
