@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="changes to configs/demo.yaml")
     args = parser.parse_args()
     overrides = parse_overrides(args.overrides)
+    if (args.run_dir / "status.json").is_file():  # this benchmark's own earlier run
+        shutil.rmtree(args.run_dir)
     cfg = TrainConfig.load(CONFIG, overrides | {"out": str(args.run_dir)})
     started = time.perf_counter()
     run, metrics = train(cfg)

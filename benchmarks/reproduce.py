@@ -23,36 +23,17 @@ from pathlib import Path
 HERE = Path(__file__).parent
 DEMO_RUN = "runs/demo-benchmark"
 
+DEMO_EN_RUN = "runs/demo-en-tweets-benchmark"
+
 JOBS: dict[str, tuple[list[str], list[str]]] = {
-    # name: (full arguments, quick arguments); `{out}` is the results folder
-    "demo": (
-        ["demo.py", "--out", "{out}/demo.json", "--run-dir", DEMO_RUN],
-        ["demo.py", "--out", "{out}/demo.json", "--run-dir", "{out}/demo-run"]
-        + ["max_train_examples=64", "max_eval_examples=32", "eval_every=2"],
+    # name: (full arguments, quick arguments); `{out}` is the results folder. Timing-sensitive jobs first.
+    "mfu": (
+        ["mfu.py", "--steps", "24", "--out", "{out}/mfu.json"],
+        ["mfu.py", "--steps", "2", "--out", "{out}/mfu.json"],
     ),
-    "prompt_baseline": (
-        ["prompt_baseline.py", "--run", f"zh-reviews={DEMO_RUN}", "--out", "{out}/prompt_baseline.json"],
-        [
-            "prompt_baseline.py",
-            "--max-eval-examples",
-            "16",
-            "--shots",
-            "0",
-            "--out",
-            "{out}/prompt_baseline.json",
-        ],
-    ),
-    "lora_vs_tfidf": (
-        [
-            "lora_vs_tfidf.py",
-            "--eval",
-            "500",
-            "--also",
-            "head_init=normal",
-            "--out",
-            "{out}/lora_vs_tfidf.json",
-        ],
-        ["lora_vs_tfidf.py", "--train", "64", "--eval", "32", "--out", "{out}/lora_vs_tfidf.json"],
+    "inference": (
+        ["inference.py", "--texts", "500", "--out", "{out}/inference.json"],
+        ["inference.py", "--texts", "16", "--out", "{out}/inference.json"],
     ),
     "train_throughput": (
         ["train_throughput.py", "--steps", "24", "--eval", "200", "--out", "{out}/train_throughput.json"],
@@ -68,13 +49,43 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
             "{out}/tt.json",
         ],
     ),
-    "mfu": (
-        ["mfu.py", "--steps", "24", "--out", "{out}/mfu.json"],
-        ["mfu.py", "--steps", "2", "--out", "{out}/mfu.json"],
+    "demo": (
+        ["demo.py", "--out", "{out}/demo.json", "--run-dir", DEMO_RUN],
+        ["demo.py", "--out", "{out}/demo.json", "--run-dir", "{out}/demo-run"]
+        + ["max_train_examples=64", "max_eval_examples=32", "eval_every=2"],
     ),
-    "inference": (
-        ["inference.py", "--texts", "500", "--out", "{out}/inference.json"],
-        ["inference.py", "--texts", "16", "--out", "{out}/inference.json"],
+    "demo_en_tweets": (
+        ["demo.py", "--out", "{out}/demo_en-tweets.json", "--run-dir", DEMO_EN_RUN, "data=en-tweets"],
+        ["demo.py", "--out", "{out}/demo_en.json", "--run-dir", "{out}/demo-en", "data=en-tweets"]
+        + ["max_train_examples=64", "max_eval_examples=32", "eval_every=2", "baseline=false"],
+    ),
+    "prompt_baseline": (
+        ["prompt_baseline.py", "--run", f"zh-reviews={DEMO_RUN}", "--run", f"en-tweets={DEMO_EN_RUN}"]
+        + ["--out", "{out}/prompt_baseline.json"],
+        [
+            "prompt_baseline.py",
+            "--max-eval-examples",
+            "16",
+            "--shots",
+            "0",
+            "--out",
+            "{out}/prompt_baseline.json",
+        ],
+    ),
+    "lora_vs_tfidf": (
+        ["lora_vs_tfidf.py", "--eval", "500", "--out", "{out}/lora_vs_tfidf.json"],
+        ["lora_vs_tfidf.py", "--train", "64", "--eval", "32", "--out", "{out}/lora_vs_tfidf.json"],
+    ),
+    "length_grouping": (
+        ["train_throughput.py", "--steps", "96", "--eval", "500", "--seed", "0"]
+        + [
+            "--ways",
+            "loracls,loracls-sorted,loracls-random",
+            "--out",
+            "{out}/length_grouping_zh-reviews_seed0.json",
+        ],
+        ["train_throughput.py", "--steps", "2", "--eval", "16", "--ways", "loracls,loracls-sorted"]
+        + ["--out", "{out}/length_grouping.json"],
     ),
 }
 
