@@ -35,33 +35,14 @@ def test_gguf_is_converted_once_into_a_standard_folder():
     assert model.config.hidden_size == 640 and sum(p.numel() for p in model.parameters()) > 260e6
 
 
-def test_loss_falls_on_a_few_dozen_real_reviews(tmp_path):
+def test_real_reviews_are_learned_beyond_the_prompt_baseline(tmp_path):
+    """320 real reviews, 20 optimizer steps: held-out test accuracy clearly above the zero-shot prompt
+    baseline on the same 150 texts (measured 0.83 against 0.52 with 200), the training loss falls, and the
+    export classifies as the run does."""
     out = tmp_path / "run"
-    args = [
-        "train",
-        "--model",
-        "gemma3-270m",
-        "--data",
-        "zh-reviews",
-        "--max-train-examples",
-        "48",
-        "--max-eval-examples",
-        "16",
-        "--max-length",
-        "64",
-        "--epochs",
-        "3",
-        "--batch-size",
-        "8",
-        "--lr",
-        "1e-3",
-        "--eval-every",
-        "9",
-        "--log-every",
-        "3",
-        "--out",
-        str(out),
-    ]
+    args = ["train", "--model", "gemma3-270m", "--data", "zh-reviews", "--max-train-examples", "320"]
+    args += ["--max-eval-examples", "150", "--max-length", "64", "--epochs", "1", "--batch-size", "16"]
+    args += ["--lr", "1e-3", "--eval-every", "10", "--log-every", "5", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
@@ -69,11 +50,15 @@ def test_loss_falls_on_a_few_dozen_real_reviews(tmp_path):
         metrics["data"]["notes"][0].startswith("zh-reviews:")
         and "47 texts labelled both ways" in metrics["data"]["notes"][0]
     )
+    baseline = json.loads((out / "baseline_metrics.json").read_text())
+    assert metrics["test"]["n"] == sum(baseline["pred_distribution"].values()) == 150  # the same texts
+    assert metrics["test"]["accuracy"] >= baseline["accuracy"] + 0.15, (metrics["test"], baseline["accuracy"])
 
-    # cross-entropy of the same 48 training reviews: base model + fresh head, then the best checkpoint
+    # cross-entropy of 48 of the training reviews: base model + fresh head, then the best checkpoint
     cfg = RunFolder(out).read_config()
     splits = load_splits(cfg)
-    texts, gold = list(splits.train["text"]), [splits.label2id[x] for x in splits.train["label"]]
+    train = splits.train.head(48)
+    texts, gold = list(train["text"]), [splits.label2id[x] for x in train["label"]]
     trained = Classifier.from_run(str(out))
     before = Classifier(
         load_classifier(resolve_model("gemma3-270m"), splits.labels),
