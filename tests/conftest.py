@@ -157,7 +157,7 @@ def toy_csv(tmp_path) -> Path:
 
 FAST = [
     *("--epochs", "2", "--batch-size", "16", "--micro-batch-size", "8", "--eval-every", "4"),
-    *("--log-every", "2", "--lr", "5e-3", "--max-length", "64"),
+    *("--log-every", "2", "--lr", "5e-3", "--max-length", "64", "--min-steps", "0"),
 ]
 """Training options that finish a toy run in seconds."""
 

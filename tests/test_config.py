@@ -16,9 +16,11 @@ def test_every_field_has_a_docstring():
 
 
 def test_defaults_follow_the_recipe():
+    """The write-up's LoRA recipe; lr, min_steps and head_init as chosen on validation figures
+    (benchmarks/README.md, learning curve)."""
     cfg = TrainConfig()
-    assert (cfg.lr, cfg.batch_size, cfg.micro_batch_size, cfg.lora_r, cfg.lora_alpha) == (
-        2e-4,
+    assert (cfg.lr, cfg.min_steps, cfg.head_init, cfg.prompt) == (1e-3, 60, "auto", "auto")
+    assert (cfg.batch_size, cfg.micro_batch_size, cfg.lora_r, cfg.lora_alpha) == (
         32,
         None,
         8,
@@ -34,12 +36,13 @@ def test_retired_grad_accum_says_what_replaced_it():
 
 def test_a_run_written_before_the_batch_change_reads_as_the_same_run(tmp_path):
     old = TrainConfig().to_dict() | {"batch_size": 16, "grad_accum": 2, "micro_batch_size": None}
-    del old["micro_batch_size"], old["balance_labels"]  # that version had no such keys
+    del old["micro_batch_size"], old["balance_labels"], old["min_steps"]  # that version had no such keys
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     cfg = RunFolder(tmp_path).read_config()
     assert (cfg.batch_size, cfg.micro_batch_size) == (32, 16)
     assert cfg.balance_labels is False  # its batches were sorted by length alone: a resume keeps them so
     assert TrainConfig().balance_labels is True
+    assert cfg.min_steps == 0 and TrainConfig().min_steps == 60  # it trained `epochs` alone
     with pytest.raises(LoraclsError, match="grad_accum"):  # as a user's config file: refused, explained
         TrainConfig.load(tmp_path / "config.yaml")
 
@@ -129,6 +132,6 @@ def test_train_help_shows_types_defaults_and_groups():
     text = " ".join(result.output.split())
     for group in GROUPS:
         assert group in text
-    assert "<float>" in text and "<int>" in text and "[default: (0.0002)]" in text
+    assert "<float>" in text and "<int>" in text and "[default: (0.001)]" in text
     assert "[default: (attn-qv)]" in text and "[default: (none)]" in text
     assert sorted(k for keys in GROUPS.values() for k in keys) == sorted(f.name for f in fields(TrainConfig))

@@ -222,3 +222,14 @@ def test_multi_label_split_at_random_says_so(tmp_path):
     splits = load_splits(TrainConfig(data=str(path), multi_label=True))
     assert any("too rare to stratify; split at random" in note for note in splits.notes)
     assert len(splits.train) + len(splits.val) + len(splits.test) == 41
+
+
+def test_jsonl_strings_may_hold_unicode_line_separators(tmp_path):
+    """pandas writes U+2028 and U+0085 raw inside JSON strings: a JSON Lines file ends its lines at \\n only
+    (reading them as line breaks refused a valid file of real movie reviews)."""
+    path = tmp_path / "reviews.jsonl"
+    table = pd.DataFrame({"text": ["one\u2028two", "three\x85four", "five\rsix"], "label": ["a", "b", "a"]})
+    table.to_json(path, orient="records", lines=True, force_ascii=False)
+    assert "\u2028" in path.read_text(encoding="utf-8")  # raw in the file, not escaped
+    read = read_labelled(str(path), "text", "label")
+    assert list(read["text"]) == list(table["text"]) and list(read["label"]) == ["a", "b", "a"]

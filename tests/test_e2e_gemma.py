@@ -96,3 +96,34 @@ def test_presets_on_the_real_model_without_loading_weights():
     assert counts["attn-qv"] == 18 * 8 * ((640 + 1024) + (640 + 256))
     assert counts["attn"] == counts["attn-qv"] + 18 * 8 * ((640 + 256) + (1024 + 640))
     assert counts["all-linear"] == counts["attn"] + 18 * 8 * 3 * (640 + 2048)
+
+
+def test_a_verbalizer_head_starts_where_the_real_prompt_does():
+    """Gemma 3 270M on 40 real reviews: before any training, the head built from the LM head's rows of
+    正面/负面 picks, on every review, the label whose verbaliser token the zero-shot prompt ranks first."""
+    from loracls.config import TrainConfig
+    from loracls.data import tokenize
+    from loracls.evaluate import predict_probs
+    from loracls.prompts import Prompter, answer_tokens, resolve_prompt
+    from loracls.zeroshot import label_log_probs, load_causal_lm
+
+    path = resolve_model("gemma3-270m")
+    tokenizer, lm = load_tokenizer(path), load_causal_lm(path)
+    splits = load_splits(TrainConfig(data="zh-reviews", max_eval_examples=40))
+    prompt = resolve_prompt(splits.labels, [], TrainConfig(prompt="zh-sentiment"))
+    assert prompt.words == {"negative": "负面", "positive": "正面"}
+    shared, following = answer_tokens(tokenizer, prompt, splits.labels)
+    assert shared == []  # Gemma's tokenizer reads each word as its own token after "情感："
+    rows = lm.get_output_embeddings().weight[following].detach().clone()
+    classifier = load_classifier(path, splits.labels, head_init="verbalizer", head_rows=rows).eval()
+    classifier.config.pad_token_id = tokenizer.pad_token_id
+    prompter = Prompter(tokenizer, prompt, [], 64, shared)
+    dataset = tokenize(splits.test, tokenizer, 64, splits.label2id, prompter)
+    head = predict_probs(classifier, dataset, tokenizer, batch_size=8)
+    zero_shot = label_log_probs(
+        lm, tokenizer, prompter.encode(list(splits.test["text"])), [[t] for t in following]
+    )
+    assert head.argmax(1).tolist() == zero_shot.argmax(1).tolist()
+    assert len(set(head.argmax(1).tolist())) == 2  # the real prompt tells the reviews apart: both labels
+    ratio = np.exp(zero_shot)
+    np.testing.assert_allclose(head, ratio / ratio.sum(1, keepdims=True), atol=1e-3)

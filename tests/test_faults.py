@@ -36,23 +36,26 @@ LONG = [
         "3",
     ),
     *("--log-every", "2", "--lr", "5e-3", "--max-length", "64", "--no-baseline", "--keep-checkpoints", "2"),
+    *("--min-steps", "0"),
 ]
 
 
-def train_args(model: Path, data: Path, out: Path) -> list:
-    return ["train", "--model", model, "--data", data, "--out", out, *LONG]
+def train_args(model: Path, data: Path, out: Path, *extra) -> list:
+    return ["train", "--model", model, "--data", data, "--out", out, *LONG, *extra]
 
 
-def start(model: Path, data: Path, out: Path) -> subprocess.Popen:
+def start(model: Path, data: Path, out: Path, *extra) -> subprocess.Popen:
     """`loracls train` in a child process, as a user's terminal or a scheduler would run it."""
-    command = [sys.executable, "-m", "loracls", *map(str, train_args(model, data, out))]
+    command = [sys.executable, "-m", "loracls", *map(str, train_args(model, data, out, *extra))]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def stop_mid_run(model: Path, data: Path, out: Path, step: int, signal_number: int) -> subprocess.Popen:
+def stop_mid_run(
+    model: Path, data: Path, out: Path, step: int, signal_number: int, *extra
+) -> subprocess.Popen:
     """Start training in a child process and send it `signal_number` once a checkpoint of `step` or later
     exists; returns the child (not waited for)."""
-    child = start(model, data, out)
+    child = start(model, data, out, *extra)
     deadline = time.monotonic() + 180
     while not any(int(p.name[5:]) >= step for p in checkpoints.complete(out)):
         assert child.poll() is None, child.communicate()

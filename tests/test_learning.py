@@ -18,7 +18,17 @@ from tests.test_tasks import topics
 LEARN = [
     *("--epochs", "10", "--batch-size", "16", "--micro-batch-size", "16", "--lr", "2e-3"),
     *("--max-length", "48", "--eval-every", "100", "--log-every", "100", "--precision", "fp32"),
-    *("--target-modules", "all-linear", "--lora-dropout", "0", "--seed", "4", "--no-baseline"),
+    *(
+        "--target-modules",
+        "all-linear",
+        "--lora-dropout",
+        "0",
+        "--seed",
+        "4",
+        "--no-baseline",
+        "--min-steps",
+        "0",
+    ),
 ]
 
 
@@ -28,13 +38,15 @@ def train(model, data, out, *extra) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
+@pytest.mark.parametrize("head_init", ["zero", "verbalizer"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_learns_the_toy_task(family, tiny_models, tmp_path):
+def test_every_family_learns_the_toy_task(family, head_init, tiny_models, tmp_path):
     data = tmp_path / "reviews.csv"
     toy_reviews(600).to_csv(data, index=False)
-    metrics = train(tiny_models[family], data, tmp_path / "run")
+    metrics = train(tiny_models[family], data, tmp_path / "run", "--head-init", head_init)
     assert metrics["test"]["n"] == 60
     assert metrics["test"]["accuracy"] >= 0.9, metrics["test"]
+    assert (tmp_path / "run/prompt.json").is_file() == (head_init == "verbalizer")
 
 
 def test_three_classes_are_learned(tiny_models, tmp_path):

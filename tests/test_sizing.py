@@ -67,6 +67,7 @@ def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
         max_train_examples=16,
         batch_size=16,
         epochs=1,
+        min_steps=0,
         lr=1e-2,
         lora_dropout=0.0,
         log_every=1,

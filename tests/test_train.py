@@ -19,6 +19,7 @@ def run_log(tmp_path, tiny_models, toy_csv, **overrides) -> tuple[list[dict], di
         micro_batch_size=4,
         log_every=1,
         max_length=32,
+        min_steps=0,
         **overrides,
     )
     _, metrics = train(cfg)

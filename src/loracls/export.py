@@ -11,8 +11,9 @@ from safetensors import safe_open
 
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder
-from loracls.model import from_pretrained
+from loracls.model import from_pretrained, load_tokenizer
 from loracls.predict import Classifier, run_thresholds
+from loracls.prompts import input_prompter
 from loracls.runs import RunFolder, package_version, write_json
 from loracls.sizing import eval_batch_size
 
@@ -28,7 +29,8 @@ def export_run(
     The folder is built under `out.partial` and renamed only once it has been verified, so a failed or
     interrupted export never leaves a folder that looks usable. `loracls.json` (`EXPORT_INFO`) records what
     `Classifier.from_export` needs: labels, max_length, batch size, text column, base model, whether LoRA is
-    merged (and into what), thresholds.
+    merged (and into what), thresholds, and for a verbaliser-initialised run the prompt: its `prefix` +
+    text + `suffix` is what the classifier reads (the text cut to max_length tokens first).
     """
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
@@ -62,6 +64,9 @@ def export_run(
                 if cfg.quantize and not adapter_only
                 else None,
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
+                "prompt": input_prompter(load_tokenizer(str(run.best)), cfg, labels).to_json()
+                if cfg.prompted
+                else None,
                 "loracls": package_version("loracls"),
             },
         )

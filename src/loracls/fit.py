@@ -90,7 +90,7 @@ def fit(
     sampler, accum = loader.batch_sampler, accumulation(cfg)
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accum)
-    total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch), cfg.min_steps)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
     objective = ClassificationHead.for_training(cfg, train_set, model.config.num_labels, accelerator.device)
     optimizer = AdamW(

@@ -270,6 +270,7 @@ def load_classifier(
     quantize: str | None = None,
     attention: str | None = None,
     mixed_precision: str = "bf16",
+    head_rows: torch.Tensor | None = None,
 ) -> PreTrainedModel:
     """A sequence-classification model whose only freshly initialised weights are the new head.
 
@@ -283,6 +284,9 @@ def load_classifier(
     token), so transformers' N(0, 0.02) head starts with logit gaps of 5-10: every text confidently in one
     class, a first loss of up to ~3 instead of ln(classes), and a short run at lr 2e-4 spends most of its
     steps undoing that.
+
+    `head_rows` (labels x hidden size; `head_init="verbalizer"`): the head starts as these rows of the LM
+    head, so that it gives the language model's logits of the label words (a bias, if any, at zero).
     """
     cls, config, key_mapping = classifier_config(path, labels, trust_remote_code)
     if multi_label:  # sigmoid per label; saved in the config, so a plain transformers load knows
@@ -326,10 +330,12 @@ def load_classifier(
             f"'{head}' were randomly initialised (e.g. {(fresh + mismatched)[:5]}). The checkpoint does not "
             "match its config: check the model path or the conversion."
         )
-    if head_init == "zero":
+    if head_init in ("zero", "verbalizer"):  # verbalizer without rows: a resume restores the trained head
         with torch.no_grad():
             for param in getattr(model, head).parameters():
                 param.zero_()
+            if head_rows is not None:
+                getattr(model, head).weight.copy_(head_rows)
     return model
 
 
@@ -337,7 +343,9 @@ def from_pretrained(path: str, **kwargs) -> PreTrainedModel:
     """Load an exported classifier: `AutoModelForSequenceClassification` with loracls's classes registered.
 
     Exports of families transformers covers load without loracls; a Gemma 4 export needs this call (or
-    `generic_classifier_class(type(config))` once before the Auto call).
+    `generic_classifier_class(type(config))` once before the Auto call). An export whose `loracls.json` has
+    a `prompt` reads each text as `prefix + text + suffix`, tokenised, followed by the `answer_start` ids
+    (`loracls.predict.Classifier.load` does it for you).
     """
     classifier_class(AutoConfig.from_pretrained(path, **kwargs))
     return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)

@@ -16,6 +16,7 @@ from loracls.data import tokenize
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, predicted_labels, rounded
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
+from loracls.prompts import Prompter, input_prompter
 from loracls.runs import RunFolder
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
 
@@ -59,6 +60,8 @@ class Classifier:
     """Multi-label: a label is predicted when its probability reaches its threshold; None: single-label."""
     precision: str = "auto"
     """Autocast of the forward passes: `auto` (bf16 on GPUs and CPUs that compute it), `fp32`, `bf16`."""
+    prompter: Prompter | None = None
+    """The prompt each text is read inside (a verbaliser-initialised run); None: the text as it is."""
 
     @classmethod
     def load(
@@ -102,6 +105,7 @@ class Classifier:
             eval_batch_size(cfg.micro_batch_size),
             cfg.text_column,
             run_thresholds(run, labels) if cfg.multi_label else None,
+            prompter=input_prompter(tokenizer, cfg, labels),
         )
 
     @classmethod
@@ -125,11 +129,14 @@ class Classifier:
             info["batch_size"],
             info["text_column"],
             info.get("thresholds"),
+            prompter=Prompter.from_json(tokenizer, info["prompt"], info["max_length"])
+            if info.get("prompt")
+            else None,
         )
 
     def predict_probs(self, texts: list[str]) -> np.ndarray:
         table = pd.DataFrame({"text": texts, "label": self.labels[0]})
-        dataset = tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0})
+        dataset = tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0}, self.prompter)
         device = next(self.model.parameters()).device
         return predict_probs(
             self.model,

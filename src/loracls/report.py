@@ -232,6 +232,7 @@ def build_report(run_dir: str | Path) -> Path:
             f"examples; best validation step {best_step}.</p>"
         )
     parts += baseline_section(metrics.get("baseline"), test)
+    parts += prompt_section(read_json(run.file("prompt.json")) if run.file("prompt.json").is_file() else None)
     parts += per_class_sections(test, plots)
     parts.append('<h2 id="curves">Training curves</h2>')
     parts.append(img(plots["curves"], "training curves") if "curves" in plots else "<p>No training log.</p>")
@@ -278,6 +279,28 @@ def baseline_section(baseline: dict | None, test: dict | None) -> list[str]:
         "gain",
     ]
     return parts + [table(header, rows, {1, 2, 3})]
+
+
+def prompt_section(prompt: dict | None) -> list[str]:
+    """The chosen prompt, what the classifier reads, and every candidate's zero-shot score on the training
+    sample it was chosen on."""
+    if prompt is None:
+        return []
+    words = ", ".join(f"{label}: {word}" for label, word in prompt["verbalizers"].items())
+    parts = [
+        '<h2 id="prompt">Prompt</h2>',
+        f"<p>{html.escape(prompt['name'])}, label words {html.escape(words)}; a text reads as</p>",
+        f"<pre>{html.escape(prompt['prefix'] + '{text}' + prompt['suffix'])}</pre>",
+    ]
+    choice = prompt["choice"]
+    if choice["candidates"]:
+        rows = [
+            [c["template"], c["verbalizers"], c.get("accuracy", "skipped"), c.get("macro_f1", "")]
+            for c in choice["candidates"]
+        ]
+        parts.append(f"<p>Chosen by zero-shot macro-F1 on {choice['sample']} training examples:</p>")
+        parts.append(table(["template", "label words", "accuracy", "macro-F1"], rows, {2, 3}))
+    return parts
 
 
 def per_class_sections(test: dict | None, plots: dict[str, bytes]) -> list[str]:

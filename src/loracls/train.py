@@ -1,5 +1,5 @@
-"""`train()`: the run stage by stage (environment → baseline → model → LoRA → `fit()` → test the best →
-metrics), writing the run folder as it goes; `resume()` continues an unfinished one."""
+"""`train()`: the run stage by stage (environment → prompt and baseline → model → LoRA → `fit()` → test
+the best → metrics), writing the run folder as it goes; `resume()` continues an unfinished one."""
 
 from __future__ import annotations
 
@@ -27,10 +27,18 @@ from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, 
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.output import console
+from loracls.prompts import answer_tokens, input_prompter, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
-from loracls.zeroshot import baseline_for_run, baseline_line, baseline_summary
+from loracls.zeroshot import (
+    baseline_line,
+    baseline_summary,
+    choose_prompt,
+    load_causal_lm,
+    prompt_line,
+    run_baseline,
+)
 
 
 def cpu_only() -> bool:
@@ -173,7 +181,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         check_quantization(accelerator.device, facts)
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
-    baseline = score_baseline(model_path, tokenizer, splits, cfg, run, accelerator, resume)
+    baseline, head_rows = prompt_stage(model_path, tokenizer, splits, cfg, run, accelerator, resume)
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     model = load_classifier(
         model_path,
@@ -185,11 +193,13 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         cfg.quantize,
         cfg.attention,
         accelerator.mixed_precision,
+        head_rows,
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
+    prompter = input_prompter(tokenizer, cfg, splits.labels)
     train_set, val_set, test_set = (
-        tokenize(t, tokenizer, cfg.max_length, splits.label2id)
+        tokenize(t, tokenizer, cfg.max_length, splits.label2id, prompter)
         for t in (splits.train, splits.val, splits.test)
     )
     share = truncated_share(train_set, cfg.max_length)
@@ -279,7 +289,7 @@ def record_environment(run: RunFolder, accelerator: Accelerator, facts: Facts, r
     run.record_environment(env, resume)
 
 
-def score_baseline(
+def prompt_stage(
     model_path: str,
     tokenizer: PreTrainedTokenizerBase,
     splits: Splits,
@@ -287,27 +297,75 @@ def score_baseline(
     run: RunFolder,
     accelerator: Accelerator,
     resume: Path | None,
-) -> dict | None:
-    """The prompt baseline on the test split, unless it is off, does not apply, or a resumed run has it."""
+) -> tuple[dict | None, torch.Tensor | None]:
+    """What needs the base model's LM head, with it loaded once: the prompt (chosen on a training sample
+    with `prompt: auto`, then pinned in `cfg` and config.yaml, recorded in prompt.json), the prompt baseline
+    on the test split, and the LM-head rows a verbaliser-initialised head starts from. `head_init: auto`
+    is decided here and pinned: `verbalizer` when the chosen prompt's answers on the training sample agree
+    with the labels beyond chance (`PromptChoice.informative`), else `zero` (and `zero` for multi-label).
+
+    Returns (the baseline's metrics or None, the head rows or None). A resumed run has them all already.
+    """
+    baseline_file = run.file("baseline_metrics.json")
+    stored = None
+    if resume is not None and baseline_file.is_file():
+        stored = json.loads(baseline_file.read_text(encoding="utf-8"))
+    if cfg.head_init == "auto" and cfg.multi_label:
+        cfg.head_init = "zero"
+        run.write_config(cfg)
+    wants_baseline = stored is None and baseline_applies(cfg, accelerator)
+    wants_rows = cfg.head_init in ("verbalizer", "auto") and resume is None
+    if not (wants_baseline or wants_rows):
+        return stored, None
+    lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
+    with accelerator.autocast():
+        try:
+            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=cfg.prompted)
+        except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
+            if cfg.head_init != "auto" or wants_baseline:
+                raise
+            cfg.head_init = "zero"
+            run.write_config(cfg)
+            console.print(f"head_init auto: zero ({e})", soft_wrap=True)
+            return stored, None
+        pin_prompt(cfg, choice.prompt)
+        if cfg.head_init == "auto":
+            readable = answer_tokens(tokenizer, choice.prompt, splits.labels) is not None
+            cfg.head_init = "verbalizer" if readable and choice.informative() else "zero"
+            console.print(f"head_init auto: {cfg.head_init} ({choice.informative_line()})", soft_wrap=True)
+        run.write_config(cfg)
+        run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
+        console.print(prompt_line(choice), soft_wrap=True)
+        baseline = stored
+        if wants_baseline:  # every process scores a share of the test prompts
+            out = run.path if run.main else None
+            baseline = run_baseline(
+                lm, tokenizer, splits.test, splits.labels, splits.train, cfg, out, accelerator.state, choice
+            )
+            console.print(baseline_line(baseline), soft_wrap=True)
+        rows = None
+        if wants_rows and cfg.prompted:  # the LM head's rows of each label's token after the prompt
+            prompter = input_prompter(tokenizer, cfg, splits.labels)  # refuses words a head cannot read
+            following = answer_tokens(tokenizer, prompter.prompt, splits.labels)[1]
+            rows = lm.get_output_embeddings().weight[following].detach().float().cpu().clone()
+    del lm
+    return baseline, rows
+
+
+def baseline_applies(cfg: TrainConfig, accelerator: Accelerator) -> bool:
+    """Whether the run scores the prompt baseline: asked for, single-label, and not under FSDP."""
     if not cfg.baseline:
-        return None
+        return False
     if cfg.multi_label:
         console.print("[dim]baseline: the prompt baseline scores single-label tasks only; skipped[/]")
-        return None
+        return False
     if accelerator.is_fsdp2:
         console.print(
             "[dim]baseline: skipped under FSDP (it loads the whole model on one device); run "
             "`loracls baseline` on a device it fits[/]"
         )
-        return None
-    if resume is not None and run.file("baseline_metrics.json").is_file():
-        return json.loads(run.file("baseline_metrics.json").read_text(encoding="utf-8"))
-    # every process scores a share
-    baseline = baseline_for_run(
-        model_path, tokenizer, splits, cfg, run.path if run.main else None, accelerator
-    )
-    console.print(baseline_line(baseline))
-    return baseline
+        return False
+    return True
 
 
 def best_model(

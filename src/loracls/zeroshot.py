@@ -7,22 +7,23 @@ tokens) is read from the logits, computed only at the positions that predict tho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import PartialState
 from accelerate.utils import gather_object
+from sklearn.metrics import cohen_kappa_score
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from loracls.config import PromptConfig, TrainConfig
 from loracls.data import (
     BUILTIN_DATASETS,
-    Splits,
     load_splits,
     read_labelled,
     sort_labels,
@@ -31,35 +32,26 @@ from loracls.data import (
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
 from loracls.model import LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
+from loracls.prompts import (
+    Prompt,
+    Prompter,
+    answer_tokens,
+    candidate_prompts,
+    format_verbalizers,
+    pin_prompt,
+    resolve_prompt,
+    verbalizer_tokens,
+)
 from loracls.runs import write_json
 from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
 
+PROMPT_KAPPA = 0.1
+"""The agreement beyond chance (Cohen's kappa) of a prompt's zero-shot answers with the training sample's
+labels above which `head_init: auto` starts the head from it. Measured: zh-reviews and en-tweets prompts of
+Gemma 3 270M score about 0.15-0.3 and their heads learn faster than zero ones (benchmarks/README.md)."""
+
 CONTENT_FREE = ("N/A", "", "[MASK]")
 """Inputs that carry no content: the model's answer to them is its bias (Zhao et al., 2021)."""
-
-
-@dataclass
-class Template:
-    """A prompt: the instruction, each shot as `example` + `separator` + verbaliser, then the query."""
-
-    instruction: str
-    example: str
-    separator: str
-
-    def render(self, text: str, options: list[str], shots: list[tuple[str, str]]) -> str:
-        parts = [self.instruction.format(options=", ".join(options))] if self.instruction else []
-        parts += [self.example.format(text=t) + self.separator + word for t, word in shots]
-        parts.append(self.example.format(text=text))
-        return "\n\n".join(parts)
-
-
-TEMPLATES = {
-    "en": Template(
-        "Classify the text. Answer with one of: {options}.", "Text: {text}\nAnswer:", separator=" "
-    ),
-    "zh": Template("判断下面文本的类别，只回答其中之一：{options}。", "文本：{text}\n回答：", separator=""),
-}
-ZH_WORDS = {"positive": "正面", "negative": "负面", "neutral": "中性"}
 
 
 def load_baseline_data(
@@ -95,110 +87,142 @@ def baseline_on_device(
     processes: PartialState | None = None,
 ) -> dict:
     """`run_baseline` with the LM loaded onto `device` (default: the GPU when there is one) under
-    `autocast` (default: the precision `auto` picks there); the LM is freed afterwards.
+    `autocast` (default: the precision `auto` picks there); the LM is freed afterwards. With training
+    examples and `prompt: auto`, the prompt is first chosen on a sample of them (`choose_prompt`).
 
     With `processes` (several), each scores its share of the prompts and all get the whole result.
     """
     device = device or inference_device()
     model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(device)
     with autocast or inference_autocast(device):
-        metrics = run_baseline(model, tokenizer, table, labels, train, cfg, out, processes)
+        choice = choose_prompt(model, tokenizer, train, labels, cfg)
+        cfg = dataclasses.replace(cfg)
+        pin_prompt(cfg, choice.prompt)
+        metrics = run_baseline(model, tokenizer, table, labels, train, cfg, out, processes, choice)
     del model
     return metrics
 
 
-def baseline_for_run(
-    model_path: str,
-    tokenizer: PreTrainedTokenizerBase,
-    splits: Splits,
-    cfg: TrainConfig,
-    out: Path | None,
-    accelerator: Accelerator,
-) -> dict:
-    """The baseline a training run reports next to its test metrics, on the run's device and precision.
+@dataclass
+class PromptChoice:
+    """The prompt chosen on a sample of training examples, and every candidate's score there."""
 
-    Every process calls it and scores a share of the test prompts: a rank that only waited for the main
-    one's whole baseline would hit the collective timeout (10 minutes by default) on a large test split.
-    """
-    return baseline_on_device(
-        model_path,
-        cfg,
-        tokenizer,
-        splits.test,
-        splits.labels,
-        splits.train,
-        out,
-        accelerator.device,
-        accelerator.autocast(),
-        accelerator.state,
-    )
+    prompt: Prompt
+    candidates: list[dict]
+    """Per candidate: template name, verbalisers, accuracy, macro-F1 and predicted distribution on the
+    sample (or why it was skipped); empty when there was nothing to choose."""
+    sample: int
+    """Training examples scored (0: no training examples)."""
+    majority: float = 0.0
+    """The most frequent label's share of the sample: what answering one label for every text scores."""
 
+    def chosen(self) -> dict:
+        """The chosen prompt's row of `candidates`."""
+        key = (self.prompt.name, format_verbalizers(self.prompt.words))
+        return next(r for r in self.candidates if (r["template"], r["verbalizers"]) == key)
 
-def detect_language(texts: list[str]) -> str:
-    """`zh` when CJK characters make up over a fifth of the letters of a sample of texts, else `en`."""
-    sample = "".join(texts[:200])
-    letters = [c for c in sample if c.isalpha()]
-    cjk = sum(1 for c in letters if "\u4e00" <= c <= "\u9fff")
-    return "zh" if letters and cjk / len(letters) > 0.2 else "en"
+    def informative(self) -> bool:
+        """Whether the prompt knows something of the task: its zero-shot answers on the training sample agree
+        with the labels beyond chance (Cohen's kappa at least `PROMPT_KAPPA`; 0 is what answers unrelated to
+        the text score, whatever the label mix). A head started from a prompt that knows nothing starts
+        confidently wrong: the label words' logits differ by several units on every text."""
+        return self.sample > 0 and self.chosen()["kappa"] >= PROMPT_KAPPA
 
-
-def parse_verbalizers(spec: str | None, labels: list[str]) -> dict[str, str] | None:
-    """`positive=good,negative=bad` -> {label: word}; every label needs one."""
-    if not spec:
-        return None
-    pairs = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-    missing = [label for label in labels if label not in pairs]
-    if missing or not pairs:
-        raise LoraclsError(
-            f"verbalizers {spec!r} must give a word for every label as label=word,...; missing: {missing}"
+    def informative_line(self) -> str:
+        if not self.sample:
+            return "no training examples to score the prompt on"
+        row = self.chosen()
+        return (
+            f"the prompt's zero-shot answers on {self.sample} training examples: accuracy "
+            f"{row['accuracy']:.3f} (majority label {self.majority:.3f}), Cohen's kappa {row['kappa']:.3f}; "
+            f"{PROMPT_KAPPA} needed"
         )
-    return {label: pairs[label] for label in labels}
+
+    def to_json(self) -> dict:
+        return {
+            "chosen": self.prompt.name,
+            "verbalizers": self.prompt.words,
+            "sample": self.sample,
+            "majority": self.majority,
+            "candidates": self.candidates,
+        }
 
 
-def resolve_prompt(labels: list[str], texts: list[str], prompt: PromptConfig) -> tuple[Template, dict, list]:
-    """The template, {label: verbaliser} and the label order listed in the prompt, defaults filled in from
-    the texts' language."""
-    language = detect_language(texts)
-    template = TEMPLATES[language]
-    if prompt.prompt_template is not None:
-        if "{text}" not in prompt.prompt_template:
-            raise LoraclsError(f"prompt template {prompt.prompt_template!r} has no {{text}} placeholder")
-        template = Template(template.instruction, prompt.prompt_template, template.separator)
-    if prompt.prompt_instruction is not None:
-        template = Template(prompt.prompt_instruction, template.example, template.separator)
-    words = parse_verbalizers(prompt.verbalizers, labels) or {
-        label: ZH_WORDS.get(label, label) if language == "zh" else label for label in labels
-    }
-    order = [x.strip() for x in prompt.label_order.split(",")] if prompt.label_order else labels
-    if sorted(order) != sorted(labels):
-        raise LoraclsError(f"label_order {order} must list each of the labels {labels} once")
-    return template, words, order
+def choose_prompt(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train: pd.DataFrame | None,
+    labels: list[str],
+    cfg: PromptConfig,
+    one_token: bool = False,
+) -> PromptChoice:
+    """The candidate prompt (`candidate_prompts`) whose uncalibrated zero-shot answers score the best
+    macro-F1 on a stratified sample of `cfg.prompt_sample` training examples (ties: the higher mean
+    log-probability of the right label, then the earlier candidate). Never sees validation or test labels.
 
-
-def verbalizer_tokens(
-    tokenizer: PreTrainedTokenizerBase, template: Template, words: dict[str, str]
-) -> dict[str, list[int]]:
-    """Each label's verbaliser as the tokens that follow the prompt (tokenised in context, not alone).
-
-    "positive" after "Answer: " is not the same tokens as "positive" at the start of a string; the tokens
-    are taken as the difference between the prompt's end with and without the verbaliser.
+    Uncalibrated, because that is what a verbaliser-initialised head answers at step 0; macro-F1, because a
+    prompt that gives every text one label (listing the options, a small model copies the first) scores low
+    on it. `one_token`: skip candidates a verbaliser-initialised head cannot read (`answer_tokens`).
     """
-    tail = template.example.format(text="x")
-    base = tokenizer(tail, add_special_tokens=False)["input_ids"]
-    tokens = {}
-    for label, word in words.items():
-        full = tokenizer(tail + template.separator + word, add_special_tokens=False)["input_ids"]
-        if full[: len(base)] != base or len(full) == len(base):
-            full = base + tokenizer(template.separator + word, add_special_tokens=False)["input_ids"]
-        tokens[label] = full[len(base) :]
-        if not tokens[label]:
-            raise LoraclsError(f"verbaliser {word!r} of label {label!r} is empty after tokenisation")
-    seen: dict[tuple[int, ...], str] = {}
-    for label, ids in tokens.items():
-        if tuple(ids) in seen:
-            raise LoraclsError(f"labels {seen[tuple(ids)]!r} and {label!r} have the same verbaliser tokens")
-        seen[tuple(ids)] = label
-    return tokens
+    candidates = candidate_prompts(labels, [] if train is None else list(train["text"]), cfg)
+    if train is None or train.empty:
+        return PromptChoice(candidates[0], [], 0)
+    sample = stratified_sample(train, cfg.prompt_sample, cfg.seed)
+    gold = np.array([labels.index(x) for x in sample["label"]])
+    rows = [{"template": p.name, "verbalizers": format_verbalizers(p.words)} for p in candidates]
+    readable: dict[str, list[tuple[int, dict[str, list[int]]]]] = {}  # rendered prompt -> candidates
+    for n, prompt in enumerate(candidates):
+        try:
+            tokens = verbalizer_tokens(tokenizer, prompt)
+        except LoraclsError as e:
+            rows[n]["skipped"] = str(e)
+            continue
+        if one_token and answer_tokens(tokenizer, prompt, labels) is None:
+            rows[n]["skipped"] = "two labels share the token where their verbalisers part"
+            continue
+        readable.setdefault(prompt.render("\0"), []).append((n, tokens))
+    scored: list[tuple[tuple[float, float], int]] = []  # (macro-F1, gold log-prob), candidate
+    for group in readable.values():
+        # candidates whose prompts are the same text (word sets of a template that lists no options) are
+        # scored in one pass: every word set's tokens are read from the same forward passes
+        prompts = Prompter(tokenizer, candidates[group[0][0]], [], cfg.max_length).encode(
+            list(sample["text"])
+        )
+        columns = [tokens[label] for _, tokens in group for label in labels]
+        every = label_log_probs(model, tokenizer, prompts, columns)
+        for k, (n, _) in enumerate(group):
+            probs = softmax(every[:, k * len(labels) : (k + 1) * len(labels)])
+            gold_log_prob = float(np.log(probs[np.arange(len(gold)), gold]).mean())
+            kappa = cohen_kappa_score(gold, probs.argmax(1), labels=list(range(len(labels))))
+            rows[n] |= {
+                **summary(sample, probs, labels),
+                "kappa": round(float(np.nan_to_num(kappa)), 4),
+                "gold_log_prob": round(gold_log_prob, 4),
+            }
+            scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
+    if not scored:
+        reasons = sorted({r["skipped"] for r in rows})
+        raise LoraclsError(
+            f"No candidate prompt can score the labels {labels}: {'; '.join(reasons)}. Give label words that "
+            "differ from the first token on with --verbalizers label=word,..."
+        )
+    best = candidates[max(sorted(scored, key=lambda item: item[1]), key=lambda item: item[0])[1]]
+    majority = float(sample["label"].value_counts(normalize=True).max())
+    return PromptChoice(best, rows, len(sample), majority)
+
+
+def prompt_line(choice: PromptChoice) -> str:
+    """The chosen prompt and each candidate's macro-F1 on the training sample, on one line."""
+    if not choice.candidates:
+        return f"prompt: {choice.prompt.name} ({format_verbalizers(choice.prompt.words)})"
+    scores = ", ".join(
+        f"{r['template']} ({r['verbalizers']}) " + (f"{r['macro_f1']:.3f}" if "macro_f1" in r else "skipped")
+        for r in choice.candidates
+    )
+    return (
+        f"prompt: chose {choice.prompt.name} ({format_verbalizers(choice.prompt.words)}) by zero-shot "
+        f"macro-F1 on {choice.sample} training examples: {scores}"
+    )
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False, allow_pickle: bool = False) -> PreTrainedModel:
@@ -301,28 +325,6 @@ def draw_shots(train: pd.DataFrame, labels: list[str], k: int, seed: int) -> pd.
     return train.loc[rng.permutation(chosen)]
 
 
-@dataclass
-class Prompter:
-    """Turns texts into prompt token ids, with the shots and the label order fixed."""
-
-    tokenizer: PreTrainedTokenizerBase
-    template: Template
-    words: dict[str, str]
-    shots: list[tuple[str, str]]
-    """(text, label) pairs shown before the query."""
-    max_length: int
-
-    def prompt(self, text: str, order: list[str]) -> str:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.max_length:  # cut the text, never the prompt around it
-            text = self.tokenizer.decode(ids[: self.max_length])
-        examples = [(t, self.words[label]) for t, label in self.shots]
-        return self.template.render(text, [self.words[x] for x in order], examples)
-
-    def encode(self, texts: list[str], order: list[str]) -> list[list[int]]:
-        return [self.tokenizer(self.prompt(text, order))["input_ids"] for text in texts]
-
-
 def softmax(scores: np.ndarray) -> np.ndarray:
     """Probabilities over the labels from their log-probabilities (renormalised among the labels)."""
     z = np.exp(scores - scores.max(axis=1, keepdims=True))
@@ -343,6 +345,7 @@ def run_baseline(
     cfg: TrainConfig,
     out: Path | None = None,
     processes: PartialState | None = None,
+    choice: PromptChoice | None = None,
 ) -> dict:
     """Score `table` with the prompt baseline; write `baseline_metrics.json` and predictions into `out`.
 
@@ -350,19 +353,20 @@ def run_baseline(
     in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
     with `cfg.calibrate`, else the uncalibrated one. The prompt follows `cfg`'s prompt keys (`PromptConfig`);
     `cfg.max_length` tokens of each text are kept, `cfg.seed` draws the shots. With `processes` (several),
-    each process scores every n-th prompt and all of them get the whole result.
+    each process scores every n-th prompt and all of them get the whole result. `choice`: how the prompt
+    was chosen, recorded with the figures.
     """
     started = time.perf_counter()
-    template, words, order = resolve_prompt(labels, list(table["text"]), cfg)
+    prompt = resolve_prompt(labels, list(table["text"]), cfg)
+    order = prompt.order
     batch_size = cfg.micro_batch_size or CPU_MICRO_BATCH
     if cfg.baseline_shots and (train is None or train.empty):
         raise LoraclsError("shots > 0 needs training examples to draw them from (--train FILE)")
     shots = draw_shots(train if train is not None else table.iloc[:0], labels, cfg.baseline_shots, cfg.seed)
-    tokens = verbalizer_tokens(tokenizer, template, words)
+    tokens = verbalizer_tokens(tokenizer, prompt)
     token_lists = [tokens[label] for label in labels]
-    prompter = Prompter(
-        tokenizer, template, words, list(zip(shots["text"], shots["label"], strict=True)), cfg.max_length
-    )
+    pairs = list(zip(shots["text"], shots["label"], strict=True))
+    prompter = Prompter(tokenizer, prompt, pairs, cfg.max_length)
     texts = list(table["text"])
 
     def log_probs(inputs: list[str], label_order: list[str]) -> np.ndarray:
@@ -396,12 +400,11 @@ def run_baseline(
         "headline": headline,
         **results,
         "prompt": {
-            "template": asdict(template),
-            "verbalizers": words,
+            **prompt.to_json(),
             "verbalizer_tokens": {label: len(ids) for label, ids in tokens.items()},
-            "label_order": order,
             "shots": cfg.baseline_shots,
-            "example": prompter.prompt(texts[0], order),
+            "example": prompter.render(texts[0]),
+            "choice": choice.to_json() if choice else None,
         },
         "wall_s": round(time.perf_counter() - started, 2),
         "processes": processes.num_processes if processes is not None else 1,

@@ -1,0 +1,263 @@
+"""Prompts: the built-in templates and label words, how a config resolves them, and how a text becomes a
+prompt's tokens. The baseline scores them; a verbaliser-initialised classifier reads every text through one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from loracls.config import PromptConfig, TrainConfig
+from loracls.errors import LoraclsError
+
+
+@dataclass
+class Template:
+    """A prompt: the instruction, each shot as `example` + `separator` + verbaliser, then the query."""
+
+    instruction: str
+    example: str
+    separator: str
+
+    def render(self, text: str, options: list[str], shots: list[tuple[str, str]]) -> str:
+        parts = [self.instruction.format(options=", ".join(options))] if self.instruction else []
+        parts += [self.example.format(text=t) + self.separator + word for t, word in shots]
+        parts.append(self.example.format(text=text))
+        return "\n\n".join(parts)
+
+
+TEMPLATES = {
+    "en-options": Template(
+        "Classify the text. Answer with one of: {options}.", "Text: {text}\nAnswer:", separator=" "
+    ),
+    "en-label": Template("", "Text: {text}\nLabel:", separator=" "),
+    "en-sentiment": Template("", "Text: {text}\nSentiment:", separator=" "),
+    "en-it-was": Template("", "{text}\nIt was", separator=" "),
+    "en-review": Template("", "Review: {text}\nThis review is", separator=" "),
+    "zh-options": Template(
+        "判断下面文本的类别，只回答其中之一：{options}。", "文本：{text}\n回答：", separator=""
+    ),
+    "zh-label": Template("", "文本：{text}\n类别：", separator=""),
+    "zh-sentiment": Template("", "评论：{text}\n情感：", separator=""),
+    "zh-overall": Template("", "{text}\n总体评价：", separator=""),
+    "zh-review": Template("", "评论：{text}\n这是一条", separator=""),
+}
+"""The built-in prompts by name, `<language>-<style>`: one listing the options (the first is the default
+where no training data can choose), the others answering straight after the text (LM-BFF's `It was`)."""
+
+WORD_SETS = {
+    "en": [
+        {},
+        {"positive": "great", "negative": "terrible", "neutral": "okay"},
+        {"positive": "good", "negative": "bad", "neutral": "neutral"},
+    ],
+    "zh": [
+        {"positive": "正面", "negative": "负面", "neutral": "中性"},
+        {"positive": "好", "negative": "差", "neutral": "一般"},
+        {"positive": "积极", "negative": "消极", "neutral": "中性"},
+        {"positive": "好评", "negative": "差评", "neutral": "中评"},
+    ],
+}
+"""Label-word candidates per language; a label a set does not name is its own word. Sets that rename a
+label only apply when they name every label (a sentiment task); the first set always applies."""
+
+
+def detect_language(texts: list[str]) -> str:
+    """`zh` when CJK characters make up over a fifth of the letters of a sample of texts, else `en`."""
+    sample = "".join(texts[:200])
+    letters = [c for c in sample if c.isalpha()]
+    cjk = sum(1 for c in letters if "\u4e00" <= c <= "\u9fff")
+    return "zh" if letters and cjk / len(letters) > 0.2 else "en"
+
+
+def parse_verbalizers(spec: str | None, labels: list[str]) -> dict[str, str] | None:
+    """`positive=good,negative=bad` -> {label: word}; every label needs one."""
+    if not spec:
+        return None
+    pairs = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    missing = [label for label in labels if label not in pairs]
+    if missing or not pairs:
+        raise LoraclsError(
+            f"verbalizers {spec!r} must give a word for every label as label=word,...; missing: {missing}"
+        )
+    return {label: pairs[label] for label in labels}
+
+
+def format_verbalizers(words: dict[str, str]) -> str:
+    """{label: word} as the `verbalizers` key writes it."""
+    return ",".join(f"{label}={word}" for label, word in words.items())
+
+
+@dataclass
+class Prompt:
+    """A resolved prompt: the template (and its name), each label's word, and the order options are listed."""
+
+    name: str
+    template: Template
+    words: dict[str, str]
+    order: list[str]
+
+    def render(self, text: str, shots: list[tuple[str, str]] = (), order: list[str] | None = None) -> str:
+        """The prompt for `text` after `shots` ((text, label) pairs), options listed in `order`."""
+        options = [self.words[label] for label in order or self.order]
+        return self.template.render(text, options, [(t, self.words[label]) for t, label in shots])
+
+    def to_json(self) -> dict:
+        """What a run and an export record; `prefix + text + suffix` is the classifier's input."""
+        prefix, _, suffix = self.render("\0").partition("\0")
+        return {
+            "name": self.name,
+            **asdict(self.template),
+            "verbalizers": self.words,
+            "label_order": self.order,
+            "prefix": prefix,
+            "suffix": suffix,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict) -> Prompt:
+        template = Template(value["instruction"], value["example"], value["separator"])
+        return cls(value["name"], template, dict(value["verbalizers"]), list(value["label_order"]))
+
+
+def candidate_prompts(labels: list[str], texts: list[str], prompt: PromptConfig) -> list[Prompt]:
+    """The prompts `prompt` allows: its named template, or (`auto`) every built-in one of the texts'
+    language, each with every label-word set that fits, unless `verbalizers`/`prompt_template`/
+    `prompt_instruction` fix them. The first is the default when nothing chooses."""
+    order = [x.strip() for x in prompt.label_order.split(",")] if prompt.label_order else labels
+    if sorted(order) != sorted(labels):
+        raise LoraclsError(f"label_order {order} must list each of the labels {labels} once")
+    language = detect_language(texts)
+    if prompt.prompt != "auto":
+        if prompt.prompt not in TEMPLATES:
+            raise LoraclsError(f"prompt {prompt.prompt!r} is not one of: auto, {', '.join(TEMPLATES)}")
+        language = prompt.prompt.split("-")[0]
+        names = [prompt.prompt]
+    else:
+        names = [name for name in TEMPLATES if name.startswith(language + "-")]
+    if prompt.prompt_template is not None or prompt.prompt_instruction is not None:
+        names = names[:1]  # an own template or instruction: nothing to choose between
+    word_sets = [
+        {label: words.get(label, label) for label in labels}
+        for n, words in enumerate(WORD_SETS[language])
+        if n == 0 or set(labels) <= set(words)
+    ]
+    fixed = parse_verbalizers(prompt.verbalizers, labels)
+    if fixed:
+        word_sets = [fixed]
+    candidates = []
+    for name in names:
+        template = TEMPLATES[name]
+        if prompt.prompt_template is not None:
+            if "{text}" not in prompt.prompt_template:
+                raise LoraclsError(f"prompt template {prompt.prompt_template!r} has no {{text}} placeholder")
+            template = Template(template.instruction, prompt.prompt_template, template.separator)
+        if prompt.prompt_instruction is not None:
+            template = Template(prompt.prompt_instruction, template.example, template.separator)
+        candidates += [Prompt(name, template, words, order) for words in word_sets]
+    return candidates
+
+
+def resolve_prompt(labels: list[str], texts: list[str], prompt: PromptConfig) -> Prompt:
+    """The prompt `prompt` names, defaults filled in from the texts' language (`auto`: the language's first
+    template and word set; `choose_prompt` picks among all of them where training data exists)."""
+    return candidate_prompts(labels, texts, prompt)[0]
+
+
+def pin_prompt(cfg: PromptConfig, chosen: Prompt) -> None:
+    """Write `chosen` into `cfg`'s prompt keys, so that `resolve_prompt(labels, [], cfg)` gives it again
+    (what a run's config.yaml stores, and eval/predict/export read)."""
+    cfg.prompt = chosen.name
+    cfg.verbalizers = format_verbalizers(chosen.words)
+    cfg.label_order = ",".join(chosen.order)
+
+
+def verbalizer_tokens(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> dict[str, list[int]]:
+    """Each label's verbaliser as the tokens that follow the prompt (tokenised in context, not alone).
+
+    "positive" after "Answer: " is not the same tokens as "positive" at the start of a string; the tokens
+    are taken as the difference between the prompt's end with and without the verbaliser.
+    """
+    template = prompt.template
+    tail = template.example.format(text="x")
+    base = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    tokens = {}
+    for label, word in prompt.words.items():
+        full = tokenizer(tail + template.separator + word, add_special_tokens=False)["input_ids"]
+        if full[: len(base)] != base or len(full) == len(base):
+            full = base + tokenizer(template.separator + word, add_special_tokens=False)["input_ids"]
+        tokens[label] = full[len(base) :]
+        if not tokens[label]:
+            raise LoraclsError(f"verbaliser {word!r} of label {label!r} is empty after tokenisation")
+    seen: dict[tuple[int, ...], str] = {}
+    for label, ids in tokens.items():
+        if tuple(ids) in seen:
+            raise LoraclsError(f"labels {seen[tuple(ids)]!r} and {label!r} have the same verbaliser tokens")
+        seen[tuple(ids)] = label
+    return tokens
+
+
+def answer_tokens(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, labels: list[str]
+) -> tuple[list[int], list[int]] | None:
+    """(the tokens every label's verbaliser starts with, each label's next token in label order): a
+    classifier initialised from the LM head reads the prompt followed by the shared tokens (usually none;
+    a tokenizer that splits off the separator's space gives one) and scores one token per label. None when
+    two labels have the same next token."""
+    tokens = [verbalizer_tokens(tokenizer, prompt)[label] for label in labels]
+    shared = 0
+    while all(len(t) > shared + 1 and t[shared] == tokens[0][shared] for t in tokens):
+        shared += 1
+    following = [t[shared] for t in tokens]
+    return (tokens[0][:shared], following) if len(set(following)) == len(following) else None
+
+
+@dataclass
+class Prompter:
+    """Turns texts into prompt token ids, with the prompt and the shots fixed."""
+
+    tokenizer: PreTrainedTokenizerBase
+    prompt: Prompt
+    shots: list[tuple[str, str]]
+    """(text, label) pairs shown before the query."""
+    max_length: int
+    answer_start: list[int] = field(default_factory=list)
+    """Token ids appended after each prompt: the start every label's verbaliser shares (`answer_tokens`)."""
+
+    def render(self, text: str, order: list[str] | None = None) -> str:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > self.max_length:  # cut the text, never the prompt around it
+            text = self.tokenizer.decode(ids[: self.max_length])
+        return self.prompt.render(text, self.shots, order)
+
+    def to_json(self) -> dict:
+        """The prompt as an export records it: the classifier reads `prefix + text + suffix`, tokenised,
+        then `answer_start` (token ids; usually none)."""
+        return {**self.prompt.to_json(), "answer_start": self.answer_start}
+
+    @classmethod
+    def from_json(cls, tokenizer: PreTrainedTokenizerBase, value: dict, max_length: int) -> Prompter:
+        return cls(tokenizer, Prompt.from_json(value), [], max_length, list(value.get("answer_start", [])))
+
+    def encode(self, texts: list[str], order: list[str] | None = None) -> list[list[int]]:
+        return [self.tokenizer(self.render(text, order))["input_ids"] + self.answer_start for text in texts]
+
+
+def input_prompter(
+    tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]
+) -> Prompter | None:
+    """How a run's classifier reads a text: inside the run's pinned prompt (a verbaliser-initialised head),
+    or as it is (None)."""
+    if not cfg.prompted:
+        return None
+    if cfg.prompt == "auto":
+        raise LoraclsError("the run's prompt was never chosen (config.yaml says prompt: auto)")
+    prompt = resolve_prompt(labels, [], cfg)
+    answer = answer_tokens(tokenizer, prompt, labels)
+    if answer is None:
+        raise LoraclsError(
+            f"head_init: verbalizer needs a different token for each label where their words part; the "
+            f"verbalisers {prompt.words} share it. Give others with --verbalizers label=word,..."
+        )
+    return Prompter(tokenizer, prompt, [], cfg.max_length, answer[0])
