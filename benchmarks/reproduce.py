@@ -27,7 +27,7 @@ DEMO_EN_RUN = "runs/demo-en-tweets-benchmark"
 LC_ZH, LC_EN = "2000,800,400,200,100,50", "800,400,200,100,50"
 LC_WAYS = "tfidf,today,verbalizer"
 """The learning curve's sizes, largest first (the figure that costs most and decides the most comes first),
-and its ways (the `zero` way, a zero head with today's lr and min_steps, ran at 100 and 400 while choosing)."""
+and its ways (the `zero` way, a zero head with the new lr and min_steps, ran at 100 and 400 to choose)."""
 
 JOBS: dict[str, tuple[list[str], list[str]]] = {
     # name: (full arguments, quick arguments); `{out}` is the results folder. Timing-sensitive jobs first.
