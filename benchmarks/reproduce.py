@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 DEMO_RUN = "runs/demo-benchmark"
 
 DEMO_EN_RUN = "runs/demo-en-tweets-benchmark"
-LC_ZH, LC_EN = "2000,800,400,200,100,50", "800,400,200,100,50"
+LC_ZH, LC_EN = "2000,800,400,200,100,50", "400,100"
 LC_WAYS = "tfidf,today,verbalizer"
 """The learning curve's sizes, largest first (the figure that costs most and decides the most comes first),
 and its ways (the `zero` way, a zero head with the new lr and min_steps, ran at 100 and 400 to choose)."""

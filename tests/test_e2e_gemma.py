@@ -42,7 +42,7 @@ def test_real_reviews_are_learned_beyond_the_prompt_baseline(tmp_path):
     out = tmp_path / "run"
     args = ["train", "--model", "gemma3-270m", "--data", "zh-reviews", "--max-train-examples", "320"]
     args += ["--max-eval-examples", "150", "--max-length", "64", "--epochs", "1", "--batch-size", "16"]
-    args += ["--lr", "1e-3", "--eval-every", "10", "--log-every", "5", "--out", str(out)]
+    args += ["--lr", "1e-3", "--min-steps", "0", "--eval-every", "10", "--log-every", "5", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
