@@ -82,11 +82,19 @@ def test_real_reviews_are_learned_beyond_the_prompt_baseline(tmp_path):
     assert result.exit_code == 0, result.output
     plain = AutoModelForSequenceClassification.from_pretrained(export).eval()
     tokenizer = AutoTokenizer.from_pretrained(export)
-    batch = tokenizer(
-        texts[:8], padding=True, truncation=True, max_length=cfg.max_length, return_tensors="pt"
-    )
+    # the defaults started the head from the prompt: each text is read inside it, as README's Export says
+    prompt = json.loads((export / "loracls.json").read_text())["prompt"]
+    assert cfg.head_init == "verbalizer" and prompt["suffix"]
+
+    def wrapped(text: str) -> list[int]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        kept = tokenizer.decode(ids[: cfg.max_length]) if len(ids) > cfg.max_length else text
+        return tokenizer(prompt["prefix"] + kept + prompt["suffix"])["input_ids"] + prompt["answer_start"]
+
     with torch.no_grad():
-        probs = plain(**batch).logits.softmax(-1).numpy()
+        probs = np.stack(
+            [plain(input_ids=torch.tensor([wrapped(t)])).logits.softmax(-1)[0].numpy() for t in texts[:8]]
+        )
     np.testing.assert_allclose(probs, trained.predict_probs(texts[:8]), atol=1e-4)
 
 
