@@ -41,6 +41,7 @@ def export_run(
     with atomic_folder(out, ".partial") as tmp:
         if adapter_only:
             shutil.copytree(run.best, tmp, dirs_exist_ok=True)
+            prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels) if cfg.prompted else None
         else:
             classifier = Classifier.from_run(
                 run.path, torch.device("cpu"), allow_unfinished, full_precision=True
@@ -49,6 +50,7 @@ def export_run(
             classifier.tokenizer.save_pretrained(tmp)
             verify_export(tmp, labels)
             check_reload(tmp, classifier)
+            prompter = classifier.prompter
         write_json(
             tmp / EXPORT_INFO,
             {
@@ -64,9 +66,7 @@ def export_run(
                 if cfg.quantize and not adapter_only
                 else None,
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
-                "prompt": input_prompter(load_tokenizer(str(run.best)), cfg, labels).to_json()
-                if cfg.prompted
-                else None,
+                "prompt": prompter.to_json() if prompter else None,
                 "loracls": package_version("loracls"),
             },
         )
