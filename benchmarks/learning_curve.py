@@ -16,6 +16,8 @@ Ways:
   verbalizer  the head started from the LM head's rows of the label words, texts read inside the prompt
               chosen on the training sample; its runs also score the zero-shot prompt baseline (way
               `baseline`, the prompt chosen on the same training sample, scored on the test examples)
+  lm          `objective: lm`, instruction tuning: LoRA trained on the label word after the chosen prompt
+              (causal-LM loss), classes scored by the label words' log-probability
   defaults    `loracls train` with nothing set (head_init as the defaults decide)
 
 KEY=VALUE pairs change every loracls way's config (e.g. `lr=1e-3`) except what the way itself sets.
@@ -46,6 +48,7 @@ WAYS = {
     "today": {"head_init": "zero", "lr": 2e-4, "epochs": 2.0, "min_steps": 0},
     "zero": {"head_init": "zero"},
     "verbalizer": {"head_init": "verbalizer"},
+    "lm": {"objective": "lm"},
     "defaults": {},
 }
 """The loracls ways: config changes on top of TrainConfig's defaults (and the KEY=VALUE overrides)."""
@@ -85,6 +88,7 @@ def loracls_point(way: str, train_file: Path, val: Path, test: Path, seed: int, 
         "steps": json.loads((run.path / "train_log.jsonl").read_text().splitlines()[-1])["step"],
         "wall_s": round(wall, 1),
         "head_init": pinned.head_init,
+        "objective": pinned.objective,
         "lr": pinned.lr,
         "settings": settings,
     }

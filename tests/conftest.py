@@ -11,6 +11,7 @@ import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     Gemma4AudioConfig,
@@ -125,6 +126,29 @@ def gemma4_text_config(vocab: int) -> Gemma4TextConfig:
 
 
 FAMILIES = ("gemma3", "gemma4", "gemma4mm", "llama", "qwen3")
+
+LM_SCALE = 15.0
+"""How much `lm_models` scales the tiny models' token embeddings (and an untied LM head): at transformers'
+N(0, 0.02) a 32-wide model's logits span about +-0.6, so no response can be learned through its frozen LM
+head (the loss stays near ln(vocabulary)); at std 0.3 they have a trained model's range."""
+
+
+@pytest.fixture(scope="session")
+def lm_models(tmp_path_factory) -> dict[str, Path]:
+    """The tiny models with the logit range of a trained language model, for `objective: lm`."""
+    root = tmp_path_factory.mktemp("lm-models")
+    models = {}
+    for family in FAMILIES:
+        folder = build_tiny(family, root / family)
+        cls = Gemma4ForConditionalGeneration if family == "gemma4mm" else AutoModelForCausalLM
+        model = cls.from_pretrained(folder)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(LM_SCALE)
+            if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+                model.get_output_embeddings().weight.mul_(LM_SCALE)
+        model.save_pretrained(folder)
+        models[family] = folder
+    return models
 
 
 @pytest.fixture(scope="session")

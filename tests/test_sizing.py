@@ -116,7 +116,7 @@ def test_the_probe_leaves_the_random_stream_as_it_was(monkeypatch):
     """The probe's passes draw dropout masks: without a forked RNG a seed's first (probed) run and its later
     (cached) runs would train differently."""
 
-    def fits_on_device(model, example, device, autocast):
+    def fits_on_device(model, example, device, autocast, loss=None):
         def fits(n):
             torch.nn.functional.dropout(torch.ones(n, 4), 0.5, training=True)
             return n <= 4

@@ -213,6 +213,10 @@ def predict(
     input: Annotated[Path | None, typer.Option("--input", help="CSV/JSONL/Parquet file of texts")] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Write .jsonl or .csv here")] = None,
     text_column: Annotated[str | None, typer.Option(help="Text column of --input")] = None,
+    generate: Annotated[
+        bool, typer.Option(help="Also write what an `objective: lm` model says (greedy) as `response`")
+    ] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens --generate writes at most", min=1)] = 64,
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set."""
@@ -231,7 +235,10 @@ def predict(
             if column not in frame.columns:
                 raise LoraclsError(f"{input}: no text column '{column}'; columns: {list(frame.columns)}")
             texts = [str(t) for t in frame[column]]
+        responses = classifier.generate(texts, max_new_tokens) if generate else None
         records = classifier.predict(texts)
+        if responses is not None:
+            records = [r | {"response": x} for r, x in zip(records, responses, strict=True)]
     except LoraclsError as e:
         fail(e)
     if output is None:
@@ -244,6 +251,7 @@ def predict(
                 "text": r["text"],
                 "label": r["label"] if "label" in r else ",".join(r["labels"]),
                 **{f"p_{k}": v for k, v in r["probabilities"].items()},
+                **({"response": r["response"]} if generate else {}),
             }
             for r in records
         ]
@@ -418,17 +426,23 @@ def export(
     adapter_only: Annotated[bool, typer.Option(help="Write the LoRA adapter and head only")] = False,
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
-    """Write a standalone classifier (LoRA merged; loads with plain transformers) or the adapter alone."""
+    """Write a standalone classifier (LoRA merged; loads with plain transformers; an `objective: lm` run: a
+    causal LM) or the adapter alone."""
     from loracls.export import export_run, read_export_info
 
     try:
         folder = export_run(run_dir, out, adapter_only, allow_unfinished)
     except LoraclsError as e:
         fail(e)
-    checks = "checked: config, head, tokenizer, reloaded logits"
-    kind = "adapter + head" if adapter_only else f"merged classifier ({checks})"
-    console.print(f"{kind} written to {folder}", soft_wrap=True)
-    merged_into = read_export_info(folder).get("merged_into")
+    info = read_export_info(folder)
+    if info.get("objective") == "lm":
+        kind = (
+            "merged causal LM (checked: config, tokenizer, reloaded logits; loads with AutoModelForCausalLM)"
+        )
+    else:
+        kind = "merged classifier (checked: config, head, tokenizer, reloaded logits)"
+    console.print(f"{'adapter' if adapter_only else kind} written to {folder}", soft_wrap=True)
+    merged_into = info.get("merged_into")
     if merged_into:
         console.print(f"note: LoRA merged into {merged_into}", soft_wrap=True)
 

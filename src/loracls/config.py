@@ -43,6 +43,10 @@ class PromptConfig:
     """Order of the labels listed in the prompt, comma-separated; default: label-id order."""
     calibrate: bool = False
     """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
+    chat_template: bool | None = None
+    """Read each prompt as a user turn of the tokenizer's chat template (the answer starts the model's turn).
+    Unset: yes for an `objective: lm` run whose tokenizer has a chat template (config.yaml stores what was
+    used), no otherwise."""
 
 
 @dataclass
@@ -138,6 +142,16 @@ class TrainConfig(PromptConfig):
     confidently wrong). `auto`: `verbalizer` when the chosen prompt's zero-shot answers on the training
     sample agree with the labels beyond chance (Cohen's kappa at least 0.1), else `zero` (always `zero` for
     multi-label); the run's config.yaml stores what was decided."""
+    objective: str = "head"
+    """What is trained. `head`: a classification head on the last token (started as `head_init` says).
+    `lm` (instruction tuning): no new head; LoRA is trained with the causal-LM loss on the response after the
+    run's prompt (the label's word, then with `response_column` a new line and that column's text, then
+    end-of-sequence), and a text's class is the label word the model gives the highest log-probability
+    after the prompt (the baseline's scorer: a forced choice, never an unparsable answer). Single-label
+    only."""
+    response_column: str | None = None
+    """With `objective: lm`: a column of free text (a comment, a reason) the training response carries after
+    the label word; `predict --generate` then writes what the model says. Rows may leave it empty."""
     target_modules: str = "attn-qv"
     """Modules that get LoRA: a preset (`attn-qv` = q_proj,v_proj; `attn` = q,k,v,o_proj; `all-linear`),
     comma-separated names (`q_proj,v_proj`) or one regular expression; only ever linear layers inside the
@@ -216,6 +230,7 @@ class TrainConfig(PromptConfig):
             "log_every": self.log_every >= 1,
             "metric": self.metric in ("macro_f1", "accuracy"),
             "head_init": self.head_init in ("auto", "zero", "normal", "verbalizer"),
+            "objective": self.objective in ("head", "lm"),
             "prompt_sample": self.prompt_sample >= 2,
             "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
@@ -240,10 +255,23 @@ class TrainConfig(PromptConfig):
                 "run needs head_init: zero"
             )
 
+        if self.objective == "lm" and self.multi_label:
+            raise LoraclsError(
+                "objective: lm answers one label word per text (a single-label task); a multi-label run "
+                "needs objective: head"
+            )
+        if self.objective == "lm" and self.quantize:
+            raise LoraclsError("objective: lm does not support --quantize yet; use objective: head for QLoRA")
+        if self.response_column is not None and self.objective != "lm":
+            raise LoraclsError(
+                f"response_column {self.response_column!r} is the text an `objective: lm` run learns to say "
+                "after the label word; add --objective lm, or drop --response-column"
+            )
+
     @property
     def prompted(self) -> bool:
-        """The classifier reads each text inside the run's prompt (a verbaliser-initialised head)."""
-        return self.head_init == "verbalizer"
+        """The model reads each text inside the run's prompt (a verbaliser-initialised head, or `lm`)."""
+        return self.head_init == "verbalizer" or self.objective == "lm"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -378,13 +406,14 @@ GROUPS = {
         *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
         *("max_eval_examples", "max_length"),
     ],
-    "LoRA and head": [
+    "LoRA, head and objective": [
         "lora_r",
         "lora_alpha",
         "lora_dropout",
         "target_modules",
         "allow_few_targets",
         "head_init",
+        *("objective", "response_column"),
     ],
     "Optimisation": [
         *("epochs", "min_steps", "lr", "batch_size", "weight_decay", "warmup_ratio", "warmup_steps"),
@@ -397,7 +426,7 @@ GROUPS = {
     "Prompt and baseline": [
         *("prompt", "prompt_sample", "baseline", "baseline_shots", "verbalizers", "prompt_template"),
         "prompt_instruction",
-        *("label_order", "calibrate"),
+        *("label_order", "calibrate", "chat_template"),
     ],
     "Speed and memory": [
         *("micro_batch_size", "length_grouping", "balance_labels", "precision", "gradient_checkpointing"),

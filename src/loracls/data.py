@@ -56,7 +56,7 @@ def load_splits(cfg: TrainConfig) -> Splits:
     def read(source: str | None) -> pd.DataFrame | None:
         if not source:
             return None
-        table = read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg))
+        table = read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg), cfg.response_column)
         return deduplicate(table, source, cfg.dedup, notes)
 
     table, val, test = read(cfg.data), read(cfg.val), read(cfg.test)
@@ -110,20 +110,53 @@ def separator(cfg: TrainConfig) -> str | None:
 
 
 def read_labelled(
-    source: str, text_column: str, label_column: str, separator: str | None = None
+    source: str,
+    text_column: str,
+    label_column: str,
+    separator: str | None = None,
+    response_column: str | None = None,
 ) -> pd.DataFrame:
     """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file.
 
     With `separator` (multi-label), each label becomes a sorted tuple of names: from a JSON list, or from a
-    string split at `separator`; an empty cell is an empty tuple (no label applies).
+    string split at `separator`; an empty cell is an empty tuple (no label applies). With `response_column`,
+    also `response`: that column's text ("" where a row leaves it empty).
     """
     if source in BUILTIN_DATASETS:
+        if response_column is not None:
+            raise LoraclsError(
+                f"the built-in dataset {source!r} has no response column; --response-column needs your "
+                "own file"
+            )
         table = read_builtin(source)
         if separator is not None:
             table["label"] = [(label,) for label in table["label"]]
         return table
     frame = read_table(Path(source))
-    return check_columns(frame, Path(source), text_column, label_column, separator)
+    table = check_columns(frame, Path(source), text_column, label_column, separator)
+    if response_column is not None:
+        table["response"] = check_response(frame, Path(source), response_column)
+    return table
+
+
+def check_response(frame: pd.DataFrame, path: Path, column: str) -> list[str]:
+    """The response column's texts; an empty cell is "" (the response is then the label word alone)."""
+    if column not in frame.columns:
+        raise LoraclsError(
+            f"{path}: no response column '{column}'. Columns present: {list(frame.columns)}. "
+            "Set --response-column."
+        )
+    values = []
+    for i, value in enumerate(frame[column]):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            value = ""
+        if not isinstance(value, str):
+            raise LoraclsError(
+                f"{path}: response '{column}' at data row {i} is a {type(value).__name__} ({value!r}), "
+                "not text"
+            )
+        values.append(value.strip())
+    return values
 
 
 def read_table(path: Path) -> pd.DataFrame:
@@ -418,9 +451,20 @@ def tokenize(
     return Dataset.from_dict({"input_ids": input_ids, "labels": targets})
 
 
-def truncated_share(dataset: Dataset, max_length: int) -> float:
-    lengths = [len(x) for x in dataset["input_ids"]]
-    return sum(n >= max_length for n in lengths) / max(len(lengths), 1)
+def tokenize_responses(table: pd.DataFrame, prompter: Prompter, label2id: dict[str, int]) -> Dataset:
+    """The training set of an `objective: lm` run: `input_ids` (prompt, then response:
+    `Prompter.encode_responses`), `response_start` (where the response's tokens begin) and `labels`."""
+    comments = list(table["response"]) if "response" in table.columns else None
+    input_ids, starts = prompter.encode_responses(list(table["text"]), list(table["label"]), comments)
+    labels = [label2id[x] for x in table["label"]]
+    return Dataset.from_dict({"input_ids": input_ids, "response_start": starts, "labels": labels})
+
+
+def truncated_share(table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_length: int) -> float:
+    """The share of `table`'s texts longer than `max_length` tokens (cut to it, whatever prompt they are read
+    inside)."""
+    lengths = [len(x) for x in tokenizer(list(table["text"]), add_special_tokens=False)["input_ids"]]
+    return sum(n > max_length for n in lengths) / max(len(lengths), 1)
 
 
 def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:

@@ -55,8 +55,8 @@ def predict_probs(
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
-    probs = np.zeros((len(dataset), model.config.num_labels), dtype=np.float32)
     objective = objective or ClassificationHead.for_model(model)
+    probs = np.zeros((len(dataset), objective.classes(model)), dtype=np.float32)
     with autocast or contextlib.nullcontext():  # entered once: accelerate's autocast() is single-use
         for indices, batch in zip(batches, loader, strict=True):
             probs[indices] = objective.probs(model, {k: v.to(device) for k, v in batch.items()}).cpu().numpy()

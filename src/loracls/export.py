@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder
@@ -30,7 +31,9 @@ def export_run(
     interrupted export never leaves a folder that looks usable. `loracls.json` (`EXPORT_INFO`) records what
     `Classifier.from_export` needs: labels, max_length, batch size, text column, base model, whether LoRA is
     merged (and into what), thresholds, and for a verbaliser-initialised run the prompt: its `prefix` +
-    text + `suffix` is what the classifier reads (the text cut to max_length tokens first).
+    text + `suffix` is what the classifier reads (the text cut to max_length tokens first). An
+    `objective: lm` run exports a causal LM (`AutoModelForCausalLM`) with `objective: "lm"` and each label's
+    `label_tokens`: a text's class is the label whose tokens are likeliest after its prompt.
     """
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
@@ -48,8 +51,8 @@ def export_run(
             )
             classifier.model.save_pretrained(tmp)
             classifier.tokenizer.save_pretrained(tmp)
-            verify_export(tmp, labels)
-            check_reload(tmp, classifier)
+            verify_export(tmp, labels, cfg.objective)
+            check_reload(tmp, classifier, cfg.objective)
             prompter = classifier.prompter
         write_json(
             tmp / EXPORT_INFO,
@@ -67,6 +70,8 @@ def export_run(
                 else None,
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
                 "prompt": prompter.to_json() if prompter else None,
+                "objective": cfg.objective,
+                "label_tokens": prompter.label_tokens() if cfg.objective == "lm" else None,
                 "loracls": package_version("loracls"),
             },
         )
@@ -78,8 +83,9 @@ def read_export_info(folder: Path) -> dict:
     return json.loads((Path(folder) / EXPORT_INFO).read_text(encoding="utf-8"))
 
 
-def verify_export(folder: Path, labels: list[str]) -> None:
-    """Fail loudly unless `folder` is a classifier: its config says so, its head was saved, no LoRA is left.
+def verify_export(folder: Path, labels: list[str], objective: str = "head") -> None:
+    """Fail loudly unless `folder` is a classifier: its config says so, its head was saved, no LoRA is left
+    (`objective="lm"`: a causal LM, no LoRA left).
 
     Upstream tools have shipped merged classifiers whose head was silently dropped (the reloaded model then
     gets a fresh random head) or whose config still said `...ForCausalLM`.
@@ -87,10 +93,17 @@ def verify_export(folder: Path, labels: list[str]) -> None:
     problems = []
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     architecture = (config.get("architectures") or ["(none)"])[0]
-    if not architecture.endswith("ForSequenceClassification"):
-        problems.append(f"config.json names architecture {architecture}, not a sequence classifier")
+    wanted, kind = (
+        ("ForCausalLM", "causal LM")
+        if objective == "lm"
+        else ("ForSequenceClassification", "sequence classifier")
+    )
+    if not architecture.endswith(wanted):
+        problems.append(f"config.json names architecture {architecture}, not a {kind}")
     id2label = config.get("id2label", {})
-    if [id2label.get(str(i)) for i in range(len(labels))] != labels or len(id2label) != len(labels):
+    if objective == "head" and (
+        [id2label.get(str(i)) for i in range(len(labels))] != labels or len(id2label) != len(labels)
+    ):
         problems.append(f"config.json id2label {id2label} does not match the run's labels {labels}")
     if config.get("pad_token_id") is None and (config.get("text_config") or {}).get("pad_token_id") is None:
         problems.append("config.json has no pad_token_id (batched classification would fail)")
@@ -99,7 +112,7 @@ def verify_export(folder: Path, labels: list[str]) -> None:
         with safe_open(file, "pt") as f:
             shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118
     heads = {k: v for k, v in shapes.items() if k.split(".")[-2:-1] in (["score"], ["classifier"])}
-    if not any(shape[0] == len(labels) for shape in heads.values()):
+    if objective == "head" and not any(shape[0] == len(labels) for shape in heads.values()):
         problems.append(f"no classification head with {len(labels)} outputs among the saved weights")
     leftovers = [k for k in shapes if "lora_" in k or "modules_to_save" in k]
     if leftovers:
@@ -110,13 +123,17 @@ def verify_export(folder: Path, labels: list[str]) -> None:
         raise LoraclsError(f"Export to {folder} failed its checks: " + "; ".join(problems))
 
 
-def check_reload(folder: Path, classifier: Classifier) -> None:
-    """Load `folder` the way users will and compare its logits with the merged model's on a probe batch.
+def check_reload(folder: Path, classifier: Classifier, objective: str = "head") -> None:
+    """Load `folder` the way users will (`AutoModelForCausalLM` for `objective="lm"`) and compare its
+    logits with the merged model's on a probe batch.
 
     This catches what file checks cannot: weights saved under names the class does not load (they would be
     silently re-initialised) or a config that rebuilds a different model.
     """
-    reloaded = from_pretrained(str(folder), dtype=torch.float32).eval()
+    if objective == "lm":
+        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    else:
+        reloaded = from_pretrained(str(folder), dtype=torch.float32).eval()
     batch = classifier.tokenizer(
         ["a short text", "a somewhat longer text to classify, with padding after the first"],
         padding=True,

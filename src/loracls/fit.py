@@ -32,7 +32,7 @@ from loracls.config import TrainConfig
 from loracls.data import Splits
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
-from loracls.objective import ClassificationHead
+from loracls.objective import Objective
 from loracls.output import console
 from loracls.runs import RunFolder
 from loracls.sizing import eval_batch_size
@@ -79,6 +79,7 @@ def fit(
     cfg: TrainConfig,
     run: RunFolder,
     accelerator: Accelerator,
+    objective: Objective,
     resume: Path | None = None,
 ) -> FitResult:
     """Train with AdamW, cosine warm-up, accumulation and clipping; validate, keep the best, checkpoint.
@@ -92,7 +93,6 @@ def fit(
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch), cfg.min_steps)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
-    objective = ClassificationHead.for_training(cfg, train_set, model.config.num_labels, accelerator.device)
     optimizer = AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
     )
@@ -154,7 +154,16 @@ def fit(
                 if state.step % cfg.eval_every == 0 or state.step == state.total_steps:
                     with clock.paused():  # validation is not training time
                         improved = validate_and_keep_best(
-                            model, tokenizer, val_set, splits, cfg, run, state, accelerator, progress
+                            model,
+                            tokenizer,
+                            val_set,
+                            splits,
+                            cfg,
+                            run,
+                            state,
+                            accelerator,
+                            objective,
+                            progress,
                         )
                 with clock.paused():
                     checkpoint_or_stop(accelerator, state, cfg, run, stop, improved)
@@ -282,12 +291,21 @@ def validate_and_keep_best(
     run: RunFolder,
     state: checkpoints.TrainerState,
     accelerator: Accelerator,
+    objective: Objective,
     progress: Progress,
 ) -> bool:
     """Validate, log it, keep RUN/best when the metric improved, and count towards early stopping; returns
     whether this step is the new best."""
     val = validate(
-        accelerator.unwrap_model(model), tokenizer, val_set, splits, cfg, run, state.step, accelerator
+        accelerator.unwrap_model(model),
+        tokenizer,
+        val_set,
+        splits,
+        cfg,
+        run,
+        state.step,
+        accelerator,
+        objective,
     )
     improved = state.best_val is None or val[cfg.metric] > state.best_val[cfg.metric]
     record = {
@@ -489,6 +507,7 @@ def evaluation_probs(
     tokenizer: PreTrainedTokenizerBase,
     cfg: TrainConfig,
     accelerator: Accelerator,
+    objective: Objective,
 ) -> np.ndarray:
     """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
     return predict_probs(
@@ -499,6 +518,7 @@ def evaluation_probs(
         accelerator.device,
         accelerator.autocast(),
         accelerator,
+        objective,
     )
 
 
@@ -511,9 +531,10 @@ def validate(
     run: RunFolder,
     step: int,
     accelerator: Accelerator,
+    objective: Objective,
 ) -> dict:
     """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
-    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator)
+    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator, objective)
     # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
     thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
     if run.main:

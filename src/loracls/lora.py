@@ -189,13 +189,16 @@ def select(model: torch.nn.Module, spec: str) -> tuple[list[str], list[str]]:
     return inside, outside
 
 
-def plan_targets(model: torch.nn.Module, spec: str, r: int, allow_few_targets: bool = False) -> TargetPlan:
+def plan_targets(
+    model: torch.nn.Module, spec: str, r: int, allow_few_targets: bool = False, head_trained: bool = True
+) -> TargetPlan:
     """Resolve `spec` (a preset, names or a regex) to exact module names; refuse selections that cannot work.
 
     Only linear layers inside the language model's decoder layers are ever chosen: never the embeddings,
     the norms, the head (trained in full through `modules_to_save`) or a vision/audio tower. A selection
     that trains far fewer LoRA parameters than the default preset is refused unless `allow_few_targets`:
-    a wildcard that catches one module trains for hours without moving the accuracy.
+    a wildcard that catches one module trains for hours without moving the accuracy. `head_trained`: the
+    model has a new classification head, trained in full (not under `objective: lm`).
     """
     chosen, ignored = select(model, spec)
     modules = lora_parameters(model, chosen, r)
@@ -216,7 +219,7 @@ def plan_targets(model: torch.nn.Module, spec: str, r: int, allow_few_targets: b
             f"[yellow]target_modules {spec!r} also matches {len(ignored)} module(s) outside the decoder "
             f"layers (e.g. {ignored[0]}); they get no LoRA[/]"
         )
-    head = getattr(model, head_name(model))
+    head = getattr(model, head_name(model)) if head_trained else torch.nn.Module()
     return TargetPlan(
         target_modules=spec,
         modules=modules,
@@ -241,15 +244,17 @@ def plan_for_model(
 
 
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, TargetPlan]:
-    """Add LoRA to the planned targets; the head is named in `modules_to_save` so it is trained and saved."""
-    plan = plan_targets(model, cfg.target_modules, cfg.lora_r, cfg.allow_few_targets)
+    """Add LoRA to the planned targets; a classifier's head is named in `modules_to_save` so it is trained
+    and saved (under `objective: lm` the LM head stays frozen: LoRA alone is trained)."""
+    head = cfg.objective == "head"
+    plan = plan_targets(model, cfg.target_modules, cfg.lora_r, cfg.allow_few_targets, head_trained=head)
     lora_config = LoraConfig(
-        task_type=TaskType.SEQ_CLS,
+        task_type=TaskType.SEQ_CLS if head else TaskType.CAUSAL_LM,
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=list(plan.modules),
-        modules_to_save=[head_name(model)],
+        modules_to_save=[head_name(model)] if head else None,
         bias="none",
     )
     return get_peft_model(model, lora_config), plan

@@ -16,9 +16,11 @@ from loracls.data import tokenize
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, predicted_labels, rounded
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
+from loracls.objective import LanguageModel, Objective
 from loracls.prompts import Prompter, input_prompter
 from loracls.runs import RunFolder
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
+from loracls.zeroshot import load_causal_lm
 
 
 def merge_adapter(
@@ -29,8 +31,10 @@ def merge_adapter(
     allow_pickle: bool = False,
     multi_label: bool = False,
     quantize: str | None = None,
+    objective: str = "head",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer.
+    """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer;
+    with `objective="lm"` the base causal LM with the adapter merged in.
 
     With `quantize` (a QLoRA run read back as it was scored), the base loads in 4-bit as in training and LoRA
     stays unmerged: merging into NF4 weights would re-quantise LoRA's update, a third model that neither
@@ -38,9 +42,17 @@ def merge_adapter(
     """
     tokenizer = load_tokenizer(str(adapter))
     path = resolve_model(base_model)
-    base = load_classifier(
-        path, labels, trust_remote_code, allow_pickle=allow_pickle, multi_label=multi_label, quantize=quantize
-    )
+    if objective == "lm":
+        base = load_causal_lm(path, trust_remote_code, allow_pickle)
+    else:
+        base = load_classifier(
+            path,
+            labels,
+            trust_remote_code,
+            allow_pickle=allow_pickle,
+            multi_label=multi_label,
+            quantize=quantize,
+        )
     base.config.pad_token_id = tokenizer.pad_token_id
     model = PeftModel.from_pretrained(base, str(adapter))
     return (model if quantize else model.merge_and_unload()), tokenizer
@@ -61,7 +73,10 @@ class Classifier:
     precision: str = "auto"
     """Autocast of the forward passes: `auto` (bf16 on GPUs and CPUs that compute it), `fp32`, `bf16`."""
     prompter: Prompter | None = None
-    """The prompt each text is read inside (a verbaliser-initialised run); None: the text as it is."""
+    """The prompt each text is read inside (a verbaliser-initialised run, `objective: lm`); None: the text
+    as it is."""
+    objective: Objective | None = None
+    """How a batch becomes class probabilities; None: the model's classification head."""
 
     @classmethod
     def load(
@@ -93,10 +108,19 @@ class Classifier:
         cfg, labels = run.read_config(), run.read_labels()
         quantize = None if full_precision else cfg.quantize
         model, tokenizer = merge_adapter(
-            cfg.model, run.best, labels, cfg.trust_remote_code, cfg.allow_pickle, cfg.multi_label, quantize
+            cfg.model,
+            run.best,
+            labels,
+            cfg.trust_remote_code,
+            cfg.allow_pickle,
+            cfg.multi_label,
+            quantize,
+            cfg.objective,
         )
         if not quantize:  # a 4-bit model stays where bitsandbytes put it
             model = model.to(device or inference_device())
+        model.config.pad_token_id = tokenizer.pad_token_id
+        prompter = input_prompter(tokenizer, cfg, labels)
         return cls(
             model.eval(),
             tokenizer,
@@ -105,7 +129,8 @@ class Classifier:
             eval_batch_size(cfg.micro_batch_size),
             cfg.text_column,
             run_thresholds(run, labels) if cfg.multi_label else None,
-            prompter=input_prompter(tokenizer, cfg, labels),
+            prompter=prompter,
+            objective=scorer(tokenizer, prompter, labels) if cfg.objective == "lm" else None,
         )
 
     @classmethod
@@ -114,13 +139,21 @@ class Classifier:
         from loracls.export import read_export_info
 
         info = read_export_info(path)
+        objective = info.get("objective", "head")
         if info["merged"]:
-            model, tokenizer = from_pretrained(str(path), dtype=torch.float32), load_tokenizer(str(path))
+            tokenizer = load_tokenizer(str(path))
+            if objective == "lm":
+                model = load_causal_lm(str(path))
+            else:
+                model = from_pretrained(str(path), dtype=torch.float32)
         else:
             multi_label = info.get("thresholds") is not None
             model, tokenizer = merge_adapter(
-                info["base_model"], path, info["labels"], multi_label=multi_label
+                info["base_model"], path, info["labels"], multi_label=multi_label, objective=objective
             )
+        prompter = None
+        if info.get("prompt"):
+            prompter = Prompter.from_json(tokenizer, info["prompt"], info["max_length"])
         return cls(
             model.to(device or inference_device()).eval(),
             tokenizer,
@@ -129,9 +162,8 @@ class Classifier:
             info["batch_size"],
             info["text_column"],
             info.get("thresholds"),
-            prompter=Prompter.from_json(tokenizer, info["prompt"], info["max_length"])
-            if info.get("prompt")
-            else None,
+            prompter=prompter,
+            objective=scorer(tokenizer, prompter, info["labels"]) if objective == "lm" else None,
         )
 
     def predict_probs(self, texts: list[str]) -> np.ndarray:
@@ -145,7 +177,29 @@ class Classifier:
             self.batch_size,
             device,
             inference_autocast(device, self.precision),
+            objective=self.objective,
         )
+
+    @torch.inference_mode()
+    def generate(self, texts: list[str], max_new_tokens: int = 64) -> list[str]:
+        """What an `objective: lm` model says after each text's prompt: greedy decoding of at most
+        `max_new_tokens` tokens, one text at a time (no padding to get wrong), special tokens dropped."""
+        if not isinstance(self.objective, LanguageModel):
+            raise LoraclsError("--generate needs a model trained with objective: lm (this one has a head)")
+        device = next(self.model.parameters()).device
+        answers = []
+        with inference_autocast(device, self.precision):
+            for ids in self.prompter.encode(texts):
+                prompt = torch.tensor([ids], device=device)
+                out = self.model.generate(
+                    input_ids=prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+                answers.append(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip())
+        return answers
 
     def predict(self, texts: list[str]) -> list[dict]:
         """One record per text: the predicted `label` (multi-label: `labels`, every one at or above its
@@ -157,6 +211,12 @@ class Classifier:
             {"text": text, key: chosen, "probabilities": rounded(p, self.labels)}
             for text, chosen, p in zip(texts, predicted, probs, strict=True)
         ]
+
+
+def scorer(tokenizer: PreTrainedTokenizerBase, prompter: Prompter, labels: list[str]) -> LanguageModel:
+    """An `objective: lm` model's classes: each label's words scored after the prompt."""
+    words = prompter.label_tokens()
+    return LanguageModel(tokenizer, [words[label] for label in labels])
 
 
 def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:

@@ -224,36 +224,87 @@ class Prompter:
     max_length: int
     answer_start: list[int] = field(default_factory=list)
     """Token ids appended after each prompt: the start every label's verbaliser shares (`answer_tokens`)."""
+    chat: bool = False
+    """The prompt is the user's turn of the tokenizer's chat template, the answer starts the model's turn."""
 
     def render(self, text: str, order: list[str] | None = None) -> str:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > self.max_length:  # cut the text, never the prompt around it
             text = self.tokenizer.decode(ids[: self.max_length])
-        return self.prompt.render(text, self.shots, order)
+        rendered = self.prompt.render(text, self.shots, order)
+        if self.chat:
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": rendered}], tokenize=False, add_generation_prompt=True
+            )
+        return rendered
 
     def to_json(self) -> dict:
-        """The prompt as an export records it: the classifier reads `prefix + text + suffix`, tokenised,
-        then `answer_start` (token ids; usually none)."""
-        return {**self.prompt.to_json(), "answer_start": self.answer_start}
+        """The prompt as an export records it: the model reads `prefix + text + suffix`, tokenised (with the
+        tokenizer's special tokens unless `chat`: the chat template writes its own), then `answer_start`
+        (token ids; usually none)."""
+        prefix, _, suffix = self.render("\0").partition("\0")
+        value = {**self.prompt.to_json(), "answer_start": self.answer_start, "chat": self.chat}
+        return value | {"prefix": prefix, "suffix": suffix}
 
     @classmethod
     def from_json(cls, tokenizer: PreTrainedTokenizerBase, value: dict, max_length: int) -> Prompter:
-        return cls(tokenizer, Prompt.from_json(value), [], max_length, list(value.get("answer_start", [])))
+        prompt = Prompt.from_json(value)
+        return cls(
+            tokenizer, prompt, [], max_length, list(value.get("answer_start", [])), value.get("chat", False)
+        )
 
     def encode(self, texts: list[str], order: list[str] | None = None) -> list[list[int]]:
-        return [self.tokenizer(self.render(text, order))["input_ids"] + self.answer_start for text in texts]
+        return [
+            self.tokenizer(self.render(text, order), add_special_tokens=not self.chat)["input_ids"]
+            + self.answer_start
+            for text in texts
+        ]
+
+    def label_tokens(self) -> dict[str, list[int]]:
+        """Each label's word as the tokens that follow the prompt (`verbalizer_tokens`; in a chat, the start
+        of the model's turn)."""
+        if not self.chat:
+            return verbalizer_tokens(self.tokenizer, self.prompt)
+        tokens = {
+            label: self.tokenizer(word, add_special_tokens=False)["input_ids"]
+            for label, word in self.prompt.words.items()
+        }
+        if len({tuple(t) for t in tokens.values()}) < len(tokens) or not all(tokens.values()):
+            raise LoraclsError(
+                f"the label words {self.prompt.words} are empty or the same after tokenisation"
+            )
+        return tokens
+
+    def encode_responses(
+        self, texts: list[str], labels: list[str], comments: list[str] | None = None
+    ) -> tuple[list[list[int]], list[int]]:
+        """Training sequences of an `objective: lm` run and where each response starts: the prompt, the
+        label's words, with a comment a new line and the comment (cut to `max_length` tokens), then the
+        end-of-sequence token."""
+        words = self.label_tokens()
+        sequences, starts = [], []
+        for n, (ids, label) in enumerate(zip(self.encode(texts), labels, strict=True)):
+            response = list(words[label])
+            if comments is not None and comments[n]:
+                extra = self.tokenizer("\n" + comments[n], add_special_tokens=False)["input_ids"]
+                response += extra[: self.max_length]
+            sequences.append(ids + response + [self.tokenizer.eos_token_id])
+            starts.append(len(ids))
+        return sequences, starts
 
 
 def input_prompter(
     tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]
 ) -> Prompter | None:
-    """How a run's classifier reads a text: inside the run's pinned prompt (a verbaliser-initialised head),
-    or as it is (None)."""
+    """How a run's model reads a text: inside the run's pinned prompt (a verbaliser-initialised head, or an
+    `objective: lm` run, in the chat template if the run used it), or as it is (None)."""
     if not cfg.prompted:
         return None
     if cfg.prompt == "auto":
         raise LoraclsError("the run's prompt was never chosen (config.yaml says prompt: auto)")
     prompt = resolve_prompt(labels, [], cfg)
+    if cfg.objective == "lm":  # the label words follow the prompt as they are, scored token by token
+        return Prompter(tokenizer, prompt, [], cfg.max_length, chat=bool(cfg.chat_template))
     answer = answer_tokens(tokenizer, prompt, labels)
     if answer is None:
         raise LoraclsError(

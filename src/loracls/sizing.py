@@ -115,19 +115,24 @@ def cache_key(*parts: object) -> str:
 
 
 def fits_on_device(
-    model: torch.nn.Module, example: dict[str, torch.Tensor], device: torch.device, autocast
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    device: torch.device,
+    autocast,
+    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
 ) -> Callable[[int], bool]:
-    """A test for `largest_fitting`: one forward and backward pass of `n` copies of `example`."""
+    """A test for `largest_fitting`: one forward and backward pass of `n` copies of `example`, through the
+    training `loss` (default: a loss over all of the model's logits)."""
 
     def fits(n: int) -> bool:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         try:
-            batch = {k: v.to(device).repeat(n, 1) for k, v in example.items()}
+            batch = {k: v.to(device).repeat(n, *[1] * (v.dim() - 1)) for k, v in example.items()}
             with autocast():
-                logits = model(**batch).logits
-            logits.float().logsumexp(-1).mean().backward()
-            del batch, logits
+                value = loss(model, batch) if loss else model(**batch).logits.float().logsumexp(-1).mean()
+            value.backward()
+            del batch, value
             peak = torch.cuda.max_memory_allocated(device)
             return peak <= HEADROOM * torch.cuda.get_device_properties(device).total_memory
         except Exception as e:  # an out-of-memory error of any backend means "no"; anything else is a bug
@@ -142,7 +147,12 @@ def fits_on_device(
 
 
 def probe(
-    model: torch.nn.Module, example: dict[str, torch.Tensor], batch_size: int, device: torch.device, autocast
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    batch_size: int,
+    device: torch.device,
+    autocast,
+    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
 ) -> int:
     """The largest divisor of `batch_size` whose forward and backward pass fits on `device`.
 
@@ -155,7 +165,7 @@ def probe(
     model.train()
     devices = [] if device.type != "cuda" else [device.index or torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
-        found = largest_fitting(divisors(batch_size), fits_on_device(model, example, device, autocast))
+        found = largest_fitting(divisors(batch_size), fits_on_device(model, example, device, autocast, loss))
     model.train(was_training)
     return found
 
@@ -167,11 +177,13 @@ def micro_batch_size(
     model: torch.nn.Module,
     example: dict[str, torch.Tensor],
     key: tuple,
+    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] | None = None,
 ) -> tuple[int, str]:
     """The micro-batch to train with and how it was chosen (`set`, `cpu cap`, `probed`, `cached`).
 
-    `example` is the longest training text (input_ids and attention_mask, batch of one); `key` names what
-    the memory depends on besides the device (model, length, precision, LoRA targets, checkpointing).
+    `example` is the longest training text (a collated batch of one); `key` names what the memory depends
+    on besides the device (model, length, precision, LoRA targets, checkpointing); `loss` is the training
+    objective's (see `fits_on_device`).
     """
     if requested is not None:
         return requested, "set"
@@ -187,7 +199,7 @@ def micro_batch_size(
     if key_text in cached:
         found, how = int(cached[key_text]), "cached"
     else:
-        found, how = probe(model, example, batch_size, device, accelerator.autocast), "probed"
+        found, how = probe(model, example, batch_size, device, accelerator.autocast, loss), "probed"
     if accelerator.num_processes > 1:  # every process must accumulate the same number of micro-batches
         found = int(accelerator.gather(torch.tensor([found], device=device)).min())
     if how == "probed" and accelerator.is_main_process:

@@ -15,19 +15,20 @@ from accelerate.utils import DistributedType, broadcast_object_list, parse_flag_
 from datasets import Dataset
 from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
-from transformers import PreTrainedTokenizerBase
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls import checkpoints
 from loracls.config import TrainConfig
-from loracls.data import Splits, load_splits, tokenize, truncated_share
+from loracls.data import Splits, load_splits, tokenize, tokenize_responses, truncated_share
 from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
+from loracls.objective import ClassificationHead, LanguageModel, Objective
 from loracls.output import console
-from loracls.prompts import answer_tokens, input_prompter, pin_prompt
+from loracls.prompts import Prompter, answer_tokens, input_prompter, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
@@ -59,16 +60,24 @@ def speed_options(model: PeftModel, cfg: TrainConfig) -> None:
 
 
 def choose_micro_batch(
-    model: PeftModel, train_set: Dataset, cfg: TrainConfig, run: RunFolder, accelerator: Accelerator
+    model: PeftModel,
+    train_set: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    objective: Objective,
+    cfg: TrainConfig,
+    run: RunFolder,
+    accelerator: Accelerator,
 ) -> None:
-    """Set `cfg.micro_batch_size` (probing the device when unset) and the accumulation that reaches
-    `batch_size`; the run's `config.yaml` records the value, so a resume uses the same one."""
+    """Set `cfg.micro_batch_size` (probing the device with the objective's loss when unset) and the
+    accumulation that reaches `batch_size`; the run's `config.yaml` records the value, so a resume uses the
+    same one."""
     lengths = [len(x) for x in train_set["input_ids"]]
-    longest = torch.tensor([train_set[int(np.argmax(lengths))]["input_ids"]])
-    example = {"input_ids": longest, "attention_mask": torch.ones_like(longest)}
+    example = DataCollatorWithPadding(tokenizer)([train_set[int(np.argmax(lengths))]])
     key = (cfg.model, max(lengths), accelerator.mixed_precision, cfg.lora_r, cfg.target_modules)
-    key += (cfg.gradient_checkpointing, cfg.quantize, cfg.attention, len(model.config.id2label))
-    size, how = micro_batch_size(cfg.micro_batch_size, cfg.batch_size, accelerator, model, example, key)
+    key += (cfg.gradient_checkpointing, cfg.quantize, cfg.attention, objective.classes(model), cfg.objective)
+    size, how = micro_batch_size(
+        cfg.micro_batch_size, cfg.batch_size, accelerator, model, dict(example), key, objective.loss
+    )
     if how != "set":
         console.print(f"micro-batch {size} ({how}; set --micro-batch-size to choose)")
         cfg.micro_batch_size = size
@@ -183,18 +192,21 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     baseline, head_rows = prompt_stage(model_path, tokenizer, splits, cfg, run, accelerator, resume)
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
-    model = load_classifier(
-        model_path,
-        splits.labels,
-        cfg.trust_remote_code,
-        cfg.head_init,
-        cfg.allow_pickle,
-        cfg.multi_label,
-        cfg.quantize,
-        cfg.attention,
-        accelerator.mixed_precision,
-        head_rows,
-    )
+    if cfg.objective == "lm":
+        model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle, cfg.attention)
+    else:
+        model = load_classifier(
+            model_path,
+            splits.labels,
+            cfg.trust_remote_code,
+            cfg.head_init,
+            cfg.allow_pickle,
+            cfg.multi_label,
+            cfg.quantize,
+            cfg.attention,
+            accelerator.mixed_precision,
+            head_rows,
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
     prompter = input_prompter(tokenizer, cfg, splits.labels)
@@ -202,7 +214,10 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         tokenize(t, tokenizer, cfg.max_length, splits.label2id, prompter)
         for t in (splits.train, splits.val, splits.test)
     )
-    share = truncated_share(train_set, cfg.max_length)
+    if cfg.objective == "lm":  # trained on prompt + response, scored on the prompt alone
+        train_set = tokenize_responses(splits.train, prompter, splits.label2id)
+    objective = training_objective(cfg, train_set, tokenizer, prompter, splits.labels, accelerator)
+    share = truncated_share(splits.train, tokenizer, cfg.max_length)
     if share > 0.05:
         console.print(
             f"[yellow]{share:.0%} of training texts are truncated at max_length={cfg.max_length}[/]"
@@ -212,12 +227,12 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
     console.print(targets_line(plan))
     speed_options(model, cfg)
-    choose_micro_batch(model, train_set, cfg, run, accelerator)
+    choose_micro_batch(model, train_set, tokenizer, objective, cfg, run, accelerator)
 
-    result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, resume)
+    result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, objective, resume)
 
     best = best_model(model, result, cfg, run, accelerator)
-    test = score_test_split(best, val_set, test_set, tokenizer, splits, cfg, run, accelerator)
+    test = score_test_split(best, val_set, test_set, tokenizer, splits, cfg, run, accelerator, objective)
     metrics = {
         "test": test,
         "baseline": baseline_summary(baseline),
@@ -245,6 +260,29 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
     accelerator.end_training()
     return metrics
+
+
+def training_objective(
+    cfg: TrainConfig,
+    train_set: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    prompter: Prompter | None,
+    labels: list[str],
+    accelerator: Accelerator,
+) -> Objective:
+    """The run's objective: the classification head's loss, or (`objective: lm`) the response loss with
+    each label's words as `prompter` tokenises them."""
+    if cfg.objective == "head":
+        return ClassificationHead.for_training(cfg, train_set, len(labels), accelerator.device)
+    if accelerator.is_fsdp2:
+        raise LoraclsError(
+            "objective: lm is not supported under FSDP (its scorer runs a varying number of forward passes "
+            "per batch); use DDP, or objective: head"
+        )
+    words = prompter.label_tokens()
+    return LanguageModel.for_training(
+        cfg, train_set, tokenizer, [words[x] for x in labels], accelerator.device
+    )
 
 
 def make_accelerator(cfg: TrainConfig, run: RunFolder) -> Accelerator:
@@ -299,7 +337,8 @@ def prompt_stage(
     resume: Path | None,
 ) -> tuple[dict | None, torch.Tensor | None]:
     """What needs the base model's LM head, with it loaded once: the prompt (chosen on a training sample
-    with `prompt: auto`, then pinned in `cfg` and config.yaml, recorded in prompt.json), the prompt baseline
+    with `prompt: auto`, then pinned in `cfg` and config.yaml, recorded in prompt.json; an `objective: lm`
+    run also pins whether it reads prompts in the chat template), the prompt baseline
     on the test split, and the LM-head rows a verbaliser-initialised head starts from. `head_init: auto`
     is decided here and pinned: `verbalizer` when the chosen prompt's answers on the training sample agree
     with the labels beyond chance (`PromptChoice.informative`), else `zero` (and `zero` for multi-label).
@@ -313,23 +352,28 @@ def prompt_stage(
     if cfg.head_init == "auto" and cfg.multi_label:
         cfg.head_init = "zero"
         run.write_config(cfg)
+    if cfg.objective == "lm" and cfg.chat_template is None:
+        cfg.chat_template = tokenizer.chat_template is not None
+        run.write_config(cfg)
     wants_baseline = stored is None and baseline_applies(cfg, accelerator)
-    wants_rows = cfg.head_init in ("verbalizer", "auto") and resume is None
-    if not (wants_baseline or wants_rows):
+    wants_rows = cfg.objective == "head" and cfg.head_init in ("verbalizer", "auto") and resume is None
+    wants_prompt = wants_rows or (cfg.objective == "lm" and resume is None)
+    if not (wants_baseline or wants_prompt):
         return stored, None
     lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
     with accelerator.autocast():
         try:
-            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=cfg.prompted)
+            one_token = cfg.objective == "head" and cfg.prompted
+            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=one_token)
         except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
-            if cfg.head_init != "auto" or wants_baseline:
+            if cfg.head_init != "auto" or wants_baseline or cfg.objective == "lm":
                 raise
             cfg.head_init = "zero"
             run.write_config(cfg)
             console.print(f"head_init auto: zero ({e})", soft_wrap=True)
             return stored, None
         pin_prompt(cfg, choice.prompt)
-        if cfg.head_init == "auto":
+        if cfg.head_init == "auto" and cfg.objective == "head":
             readable = answer_tokens(tokenizer, choice.prompt, splits.labels) is not None
             cfg.head_init = "verbalizer" if readable and choice.informative() else "zero"
             console.print(f"head_init auto: {cfg.head_init} ({choice.informative_line()})", soft_wrap=True)
@@ -391,15 +435,16 @@ def score_test_split(
     cfg: TrainConfig,
     run: RunFolder,
     accelerator: Accelerator,
+    objective: Objective,
 ) -> dict:
     """Score the test split (multi-label: with thresholds tuned on validation, written to thresholds.json)
     and write every prediction to RUN/test_predictions.jsonl."""
     thresholds = None
     if cfg.multi_label:
-        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator)
+        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective)
         thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
         run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
-    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator)
+    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective)
     if run.main:
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, thresholds=thresholds)

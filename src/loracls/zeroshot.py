@@ -31,7 +31,8 @@ from loracls.data import (
 )
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
-from loracls.model import LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
+from loracls.model import BASE_DTYPE, LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
+from loracls.objective import label_log_probs
 from loracls.prompts import (
     Prompt,
     Prompter,
@@ -40,7 +41,6 @@ from loracls.prompts import (
     format_verbalizers,
     pin_prompt,
     resolve_prompt,
-    verbalizer_tokens,
 )
 from loracls.runs import write_json
 from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
@@ -171,9 +171,10 @@ def choose_prompt(
     gold = np.array([labels.index(x) for x in sample["label"]])
     rows = [{"template": p.name, "verbalizers": format_verbalizers(p.words)} for p in candidates]
     readable: dict[str, list[tuple[int, dict[str, list[int]]]]] = {}  # rendered prompt -> candidates
+    chat = bool(cfg.chat_template)
     for n, prompt in enumerate(candidates):
         try:
-            tokens = verbalizer_tokens(tokenizer, prompt)
+            tokens = Prompter(tokenizer, prompt, [], cfg.max_length, chat=chat).label_tokens()
         except LoraclsError as e:
             rows[n]["skipped"] = str(e)
             continue
@@ -185,7 +186,7 @@ def choose_prompt(
     for group in readable.values():
         # candidates whose prompts are the same text (word sets of a template that lists no options) are
         # scored in one pass: every word set's tokens are read from the same forward passes
-        prompts = Prompter(tokenizer, candidates[group[0][0]], [], cfg.max_length).encode(
+        prompts = Prompter(tokenizer, candidates[group[0][0]], [], cfg.max_length, chat=chat).encode(
             list(sample["text"])
         )
         columns = [tokens[label] for _, tokens in group for label in labels]
@@ -225,8 +226,11 @@ def prompt_line(choice: PromptChoice) -> str:
     )
 
 
-def load_causal_lm(path: str, trust_remote_code: bool = False, allow_pickle: bool = False) -> PreTrainedModel:
-    """The language model with its LM head; of a multimodal checkpoint only the text part is loaded."""
+def load_causal_lm(
+    path: str, trust_remote_code: bool = False, allow_pickle: bool = False, attention: str | None = None
+) -> PreTrainedModel:
+    """The language model with its LM head, in `BASE_DTYPE`, in eval mode; of a multimodal checkpoint only
+    the text part is loaded. `attention`: the attention kernel (`sdpa`, `eager`; default transformers')."""
     check_remote_code(path, trust_remote_code)
     check_weight_files(path, allow_pickle)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -239,68 +243,12 @@ def load_causal_lm(path: str, trust_remote_code: bool = False, allow_pickle: boo
     return cls.from_pretrained(
         path,
         config=config,
-        dtype=torch.float32,
+        dtype=BASE_DTYPE,
         key_mapping=key_mapping,
         trust_remote_code=trust_remote_code,
         use_safetensors=None if allow_pickle else True,
+        attn_implementation=attention,
     ).eval()
-
-
-@torch.inference_mode()
-def label_log_probs(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[list[int]],
-    tokens: list[list[int]],
-    batch_size: int = 16,
-) -> np.ndarray:
-    """log P(verbaliser k | prompt i), summed over the verbaliser's tokens: shape (prompts, labels).
-
-    A verbaliser of n tokens is read from the sequence prompt + its first n - 1 tokens; a causal model gives
-    the same logits for the prompt's positions in any sequence that starts with it, so shorter verbalisers
-    ride along and a prompt costs one forward pass unless two multi-token verbalisers start differently.
-    Sequences run longest-first in right-padded batches, and the LM head is applied only at the positions
-    that predict a verbaliser token (`logits_to_keep`).
-    """
-    jobs: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = {}
-    longest_first = sorted(range(len(tokens)), key=lambda k: -len(tokens[k]))
-    for i, prompt in enumerate(prompts):
-        hosts: list[tuple[int, ...]] = []
-        for k in longest_first:
-            wanted = tuple(prompt + tokens[k][:-1])
-            host = next((h for h in hosts if h[: len(wanted)] == wanted), None)
-            if host is None:
-                host = wanted
-                hosts.append(host)
-            jobs.setdefault(host, []).append((i, k, len(prompt) - 1))
-    sequences = sorted(jobs, key=len, reverse=True)
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id
-    scores = np.zeros((len(prompts), len(tokens)), dtype=np.float64)
-    for start in range(0, len(sequences), batch_size):
-        batch = sequences[start : start + batch_size]
-        width = len(batch[0])
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        needed: list[list[tuple[int, int, int, int]]] = []  # (prompt, label, position, target token)
-        for row, seq in enumerate(batch):
-            input_ids[row, : len(seq)] = torch.tensor(seq)
-            attention_mask[row, : len(seq)] = 1
-            needed.append(
-                [(i, k, first + j, token) for i, k, first in jobs[seq] for j, token in enumerate(tokens[k])]
-            )
-        positions = sorted({p for row in needed for _, _, p, _ in row})
-        logits = model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            logits_to_keep=torch.tensor(positions, device=device),
-        ).logits
-        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        column = {p: c for c, p in enumerate(positions)}
-        for row, items in enumerate(needed):
-            for i, k, position, token in items:
-                scores[i, k] += float(log_probs[row, column[position], token])
-    return scores
 
 
 def calibrate(probs: np.ndarray, content_free: np.ndarray) -> np.ndarray:
@@ -363,10 +311,10 @@ def run_baseline(
     if cfg.baseline_shots and (train is None or train.empty):
         raise LoraclsError("shots > 0 needs training examples to draw them from (--train FILE)")
     shots = draw_shots(train if train is not None else table.iloc[:0], labels, cfg.baseline_shots, cfg.seed)
-    tokens = verbalizer_tokens(tokenizer, prompt)
-    token_lists = [tokens[label] for label in labels]
     pairs = list(zip(shots["text"], shots["label"], strict=True))
-    prompter = Prompter(tokenizer, prompt, pairs, cfg.max_length)
+    prompter = Prompter(tokenizer, prompt, pairs, cfg.max_length, chat=bool(cfg.chat_template))
+    tokens = prompter.label_tokens()
+    token_lists = [tokens[label] for label in labels]
     texts = list(table["text"])
 
     def log_probs(inputs: list[str], label_order: list[str]) -> np.ndarray:
@@ -404,6 +352,7 @@ def run_baseline(
             "verbalizer_tokens": {label: len(ids) for label, ids in tokens.items()},
             "shots": cfg.baseline_shots,
             "example": prompter.render(texts[0]),
+            "chat": prompter.chat,
             "choice": choice.to_json() if choice else None,
         },
         "wall_s": round(time.perf_counter() - started, 2),
