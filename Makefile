@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(TORCH)
-	$(PY) -m pip install -e ".[embedded,dev]"
+	$(PY) -m pip install -e ".[embedded,dev,serve]"
 	touch $@
 
 demo: $(STAMP)

@@ -298,6 +298,8 @@ def main() -> int:
         "train_gradient_checkpointing",
         lambda: train_run("checkpointing", out, fixed, precision="bf16", gradient_checkpointing=True),
     )
+    # instruction tuning: the micro-batch probed through the response loss, the scorer on the GPU
+    check("train_lm_bf16_probed", lambda: train_run("lm", out, common, precision="bf16", objective="lm"))
 
     def qlora() -> dict:
         try:

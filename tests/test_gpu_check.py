@@ -26,6 +26,7 @@ def test_gpu_check_dry_run_records_every_check(tmp_path):
         "train_fp32",
         "train_fp16_scaler_nan",
         "train_gradient_checkpointing",
+        "train_lm_bf16_probed",
     ]
     expected += ["qlora_4bit", "inference", "baseline_on_device", "mfu"]
     assert list(checks) == expected and result["all_ok"], {k: v.get("error") for k, v in checks.items()}
@@ -34,5 +35,5 @@ def test_gpu_check_dry_run_records_every_check(tmp_path):
     assert "needs a GPU" in checks["qlora_4bit"]["refused"]
     assert checks["train_fp32"]["max_abs_loss_diff_vs_bf16"] < 0.05  # the same run in two precisions
     assert checks["inference"]["texts_per_s"] > 0 and checks["mfu"]["gemm_peak_tflops"] > 0
-    for name in ("train_bf16_probed", "train_fp32"):
+    for name in ("train_bf16_probed", "train_fp32", "train_lm_bf16_probed"):
         assert len(checks[name]["losses"]) >= 4 and checks[name]["train"]["examples_per_s"] > 0

@@ -448,6 +448,41 @@ def export(
 
 
 @app.command()
+def serve(
+    path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Texts in one forward pass at most", min=1)] = 32,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="Wait this long for more texts to fill a batch", min=0)
+    ] = 5.0,
+    max_texts: Annotated[int, typer.Option(help="Texts in one request at most (413 above)", min=1)] = 64,
+    max_chars: Annotated[
+        int, typer.Option(help="Characters in one text at most (413 above)", min=1)
+    ] = 20_000,
+    max_queue: Annotated[int, typer.Option(help="Texts waiting at most (503 above)", min=1)] = 1024,
+    precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    allow_unfinished: Annotated[bool, UNFINISHED] = False,
+) -> None:
+    """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
+    try:
+        from loracls.serve import ServeLimits
+        from loracls.serve import serve as run_server
+    except ImportError as e:
+        fail(
+            LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
+        )
+    if precision not in ("auto", "fp32", "bf16"):
+        fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
+    limits = ServeLimits(max_batch, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
+    try:
+        code = run_server(path, host, port, limits, precision, allow_unfinished)
+    except LoraclsError as e:
+        fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
 def report(
     run_dirs: Annotated[list[Path], typer.Argument(help="One or more run folders")],
     out: Annotated[Path, typer.Option(help="Comparison page, written when several runs are given")] = Path(
