@@ -46,6 +46,7 @@ def make_export(model: str, data: str, folder: Path) -> Path:
         max_train_examples=32,
         max_eval_examples=16,
         epochs=1,
+        min_steps=0,  # the 2 steps of one epoch, not the default's 60
         batch_size=16,
         baseline=False,
         out=str(folder / "run"),

@@ -25,7 +25,7 @@ DEMO_RUN = "runs/demo-benchmark"
 
 DEMO_EN_RUN = "runs/demo-en-tweets-benchmark"
 LC_ZH, LC_EN = "2000,800,400,200,100,50", "400,100"
-LC_WAYS = "tfidf,today,verbalizer"
+LC_WAYS = "tfidf,today,verbalizer,lm"
 """The learning curve's sizes, largest first (the figure that costs most and decides the most comes first),
 and its ways (the `zero` way, a zero head with the new lr and min_steps, ran at 100 and 400 to choose)."""
 
@@ -38,6 +38,10 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
     "inference": (
         ["inference.py", "--texts", "500", "--out", "{out}/inference.json"],
         ["inference.py", "--texts", "16", "--out", "{out}/inference.json"],
+    ),
+    "serve": (
+        ["serve.py", "--texts", "256", "--requests", "96", "--out", "{out}/serve.json"],
+        ["serve.py", "--texts", "16", "--requests", "8", "--out", "{out}/serve.json"],
     ),
     "train_throughput": (
         ["train_throughput.py", "--steps", "24", "--eval", "200", "--out", "{out}/train_throughput.json"],
@@ -96,6 +100,13 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         + ["--out", "{out}/learning_curve.json"],
         ["learning_curve.py", "--data", "zh-reviews", "--sizes", "16", "--seeds", "1", "--eval", "16"]
         + ["--test", "16", "--ways", "tfidf,today,verbalizer", "--out", "{out}/learning_curve.json"]
+        + ["min_steps=2", "prompt_sample=8"],
+    ),
+    "learning_curve_objectives": (
+        ["learning_curve.py", "--data", "zh-reviews,en-tweets", "--sizes", "400,100", "--seeds", "1"]
+        + ["--ways", "tfidf,today,verbalizer,lm", "--out", "{out}/learning_curve_objectives.json"],
+        ["learning_curve.py", "--data", "zh-reviews", "--sizes", "16", "--seeds", "1", "--eval", "16"]
+        + ["--test", "16", "--ways", "lm", "--out", "{out}/learning_curve_objectives.json"]
         + ["min_steps=2", "prompt_sample=8"],
     ),
     "learning_curve_en": (

@@ -149,9 +149,8 @@ def test_instruction_tuning_with_comments_on_real_reviews(tmp_path):
     review's first clause): the run beats the zero-shot prompt on the same 100 test reviews, `predict
     --generate` answers in the trained form (label word, new line, comment), and the merged causal-LM export
     loads with plain transformers and classifies as the run does."""
-    from transformers import AutoModelForCausalLM
-
     from loracls.config import TrainConfig
+    from tests.test_objective_lm import plain_transformers_labels
 
     splits = load_splits(TrainConfig(data="zh-reviews", max_train_examples=240, max_eval_examples=100))
     files = {}
@@ -193,21 +192,10 @@ def test_instruction_tuning_with_comments_on_real_reviews(tmp_path):
     export = tmp_path / "export"
     result = CliRunner().invoke(app, ["export", str(out), "--out", str(export)])
     assert result.exit_code == 0, result.output
-    info = json.loads((export / "loracls.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(export).eval()
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    labels = info["labels"]
-    compared = 0
-    for text, record in zip(texts, records, strict=True):
-        if max(record["probabilities"].values()) < 0.6:
-            continue  # predict ran in bf16 where the CPU computes it; plain transformers here in fp32
-        compared += 1
-        ids = tokenizer(info["prompt"]["prefix"] + text + info["prompt"]["suffix"])["input_ids"]
-        scores = []
-        for label in labels:
-            tokens = info["label_tokens"][label]
-            with torch.no_grad():
-                log_probs = model(input_ids=torch.tensor([ids + tokens])).logits[0].log_softmax(-1)
-            scores.append(sum(float(log_probs[len(ids) - 1 + j, t]) for j, t in enumerate(tokens)))
-        assert labels[int(np.argmax(scores))] == record["label"]
-    assert compared >= 2
+    # plain transformers, as README's Export says (predict ran in bf16 where the CPU computes it, this in
+    # fp32: texts the run was unsure of are left out)
+    sure = [
+        (t, r["label"]) for t, r in zip(texts, records, strict=True) if max(r["probabilities"].values()) > 0.6
+    ]
+    assert len(sure) >= 2
+    assert plain_transformers_labels(export, [t for t, _ in sure]) == [label for _, label in sure]

@@ -1,0 +1,168 @@
+"""Does dynamic batching pay? `loracls serve` under 1, 4 and 16 concurrent clients against `loracls predict`
+on the same texts offline (the baseline, measured in the same run).
+
+The classifier is the real Gemma 3 270M, trained briefly and exported (`inference.make_export`: the speed
+of a forward pass does not depend on how long it was trained). The server runs as its own process on a
+loopback port; every client sends one text per request, as a caller classifying a stream would, for a
+bounded number of requests. Reported per concurrency: throughput (texts/s), p50 and p99 latency, and the
+mean batch the worker formed (from /metrics). Ratios: throughput at 16 clients over offline throughput
+(target >= 0.8: batching works), p50 latency at 1 client over one forward pass of one text (target <= 1.5).
+
+    python benchmarks/serve.py [--texts 256] [--requests 96] [--export FOLDER]
+
+Writes benchmarks/results/serve.json (with the CPU flags: bf16 is emulated on CPUs without AVX-512-BF16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import RESULTS, write_result  # noqa: E402
+from inference import make_export  # noqa: E402
+
+from loracls.config import TrainConfig  # noqa: E402
+from loracls.data import load_splits  # noqa: E402
+from loracls.predict import Classifier  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(export: Path, port: int) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "loracls",
+        "serve",
+        str(export),
+        "--port",
+        str(port),
+        "--max-batch",
+        "32",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not become ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def batches_formed(url: str) -> tuple[float, float]:
+    """(forward passes, texts) so far, from the server's batch-size histogram."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    value = {
+        line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("loracls_batch_texts_")
+    }
+    return value.get("loracls_batch_texts_count", 0.0), value.get("loracls_batch_texts_sum", 0.0)
+
+
+def under_load(url: str, texts: list[str], clients: int, requests: int) -> dict:
+    """`requests` one-text requests from `clients` threads; throughput and latency percentiles."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client(worker: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            for n in range(worker, requests, clients):
+                started = time.perf_counter()
+                response = http.post(f"{url}/classify", json={"input": texts[n % len(texts)]})
+                response.raise_for_status()
+                with lock:
+                    latencies.append(time.perf_counter() - started)
+
+    passes, seen = batches_formed(url)
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    passes_after, seen_after = batches_formed(url)
+    latencies.sort()
+    return {
+        "clients": clients,
+        "requests": requests,
+        "texts_per_s": requests / wall,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "mean_batch": (seen_after - seen) / max(passes_after - passes, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--texts", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=96, help="requests per concurrency level")
+    parser.add_argument("--export", type=Path, default=None, help="an export to serve (default: train one)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve.json")
+    args = parser.parse_args()
+
+    folder = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    export = args.export or make_export("gemma3-270m", "zh-reviews", folder)
+    texts = list(load_splits(TrainConfig(data="zh-reviews")).test["text"][: args.texts])
+
+    classifier = Classifier.load(export)
+    classifier.predict_probs(texts[:8])  # warm-up
+    started = time.perf_counter()
+    classifier.predict_probs(texts)
+    offline = len(texts) / (time.perf_counter() - started)
+    single = []
+    for text in texts[:16]:
+        started = time.perf_counter()
+        classifier.predict_probs([text])
+        single.append(time.perf_counter() - started)
+    one_pass_ms = 1000 * statistics.median(single)
+    del classifier
+
+    port = free_port()
+    server = start_server(export, port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        levels = [under_load(url, texts, c, args.requests) for c in (1, 4, 16)]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+    by_clients = {level["clients"]: level for level in levels}
+    result = {
+        "question": "loracls serve under 1/4/16 concurrent one-text clients vs loracls predict offline",
+        "baseline": {"offline_texts_per_s": offline, "one_forward_pass_ms": one_pass_ms, "texts": len(texts)},
+        "levels": levels,
+        "ratios": {
+            "throughput_16_clients_over_offline": by_clients[16]["texts_per_s"] / offline,
+            "p50_1_client_over_one_pass": by_clients[1]["p50_ms"] / one_pass_ms,
+        },
+        "targets": {"throughput_16_clients_over_offline": ">= 0.8", "p50_1_client_over_one_pass": "<= 1.5"},
+    }
+    print(f"offline: {offline:.1f} texts/s; one forward pass of one text: {one_pass_ms:.0f} ms")
+    print("| clients | texts/s | p50 ms | p99 ms | mean batch |\n|---|---|---|---|---|")
+    for level in levels:
+        cells = [f"{level['texts_per_s']:.1f}", f"{level['p50_ms']:.0f}", f"{level['p99_ms']:.0f}"]
+        print(f"| {level['clients']} | {' | '.join(cells)} | {level['mean_batch']:.1f} |")
+    print({k: round(v, 3) for k, v in result["ratios"].items()})
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
