@@ -456,6 +456,10 @@ def serve(
     max_wait_ms: Annotated[
         float, typer.Option(help="Wait this long for more texts to fill a batch", min=0)
     ] = 5.0,
+    pass_size: Annotated[
+        int | None,
+        typer.Option(help="Texts per forward pass (default: the batch on a GPU, 8 on a CPU)", min=1),
+    ] = None,
     max_texts: Annotated[int, typer.Option(help="Texts in one request at most (413 above)", min=1)] = 64,
     max_chars: Annotated[
         int, typer.Option(help="Characters in one text at most (413 above)", min=1)
@@ -474,7 +478,7 @@ def serve(
         )
     if precision not in ("auto", "fp32", "bf16"):
         fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
-    limits = ServeLimits(max_batch, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
+    limits = ServeLimits(max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
     try:
         code = run_server(path, host, port, limits, precision, allow_unfinished)
     except LoraclsError as e:
