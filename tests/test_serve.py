@@ -230,13 +230,16 @@ class FakeClassifier:
     labels = ["sports", "politics", "science"]
     thresholds = [0.5, 0.5, 0.5]
 
-    def tokenizer(self, texts):
-        return {"input_ids": [t.split() for t in texts]}
+    def encode(self, texts):
+        return {"input_ids": [t.split() for t in texts], "texts": texts}
+
+    def probs(self, encoded):
+        if "boom" in encoded["texts"]:
+            raise RuntimeError("a forward pass failed")
+        return np.array([[0.9 if label in t else 0.1 for label in self.labels] for t in encoded["texts"]])
 
     def predict_probs(self, texts):
-        if "boom" in texts:
-            raise RuntimeError("a forward pass failed")
-        return np.array([[0.9 if label in t else 0.1 for label in self.labels] for t in texts])
+        return self.probs(self.encode(texts))
 
 
 def test_the_batcher_answers_multi_label_sets_and_survives_a_failing_batch():

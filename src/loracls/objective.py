@@ -18,6 +18,7 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
+from loracls.prompts import Prompter
 
 
 class Objective(Protocol):
@@ -93,16 +94,20 @@ class LanguageModel:
     """Per class, the weight of its examples' response tokens in the loss (`class_weights`); None: equal."""
 
     @classmethod
-    def for_training(
-        cls,
-        cfg: TrainConfig,
-        train_set: Dataset,
-        tokenizer: PreTrainedTokenizerBase,
-        tokens: list[list[int]],
-        device: torch.device,
+    def reading(
+        cls, prompter: Prompter, labels: list[str], weight: torch.Tensor | None = None
     ) -> LanguageModel:
-        weight = class_weights(train_set["labels"], len(tokens)).to(device) if cfg.class_weights else None
-        return cls(tokenizer, tokens, weight)
+        """The objective of a model that reads its texts through `prompter`: each label's words as it
+        tokenises them after the prompt."""
+        words = prompter.label_tokens()
+        return cls(prompter.tokenizer, [words[label] for label in labels], weight)
+
+    @classmethod
+    def for_training(
+        cls, cfg: TrainConfig, train_set: Dataset, prompter: Prompter, labels: list[str], device: torch.device
+    ) -> LanguageModel:
+        weight = class_weights(train_set["labels"], len(labels)).to(device) if cfg.class_weights else None
+        return cls.reading(prompter, labels, weight)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean cross-entropy over every response token of a right-padded batch with `response_start`."""

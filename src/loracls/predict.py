@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from datasets import Dataset
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -130,7 +131,7 @@ class Classifier:
             cfg.text_column,
             run_thresholds(run, labels) if cfg.multi_label else None,
             prompter=prompter,
-            objective=scorer(tokenizer, prompter, labels) if cfg.objective == "lm" else None,
+            objective=LanguageModel.reading(prompter, labels) if cfg.objective == "lm" else None,
         )
 
     @classmethod
@@ -163,12 +164,19 @@ class Classifier:
             info["text_column"],
             info.get("thresholds"),
             prompter=prompter,
-            objective=scorer(tokenizer, prompter, info["labels"]) if objective == "lm" else None,
+            objective=LanguageModel.reading(prompter, info["labels"]) if objective == "lm" else None,
         )
 
-    def predict_probs(self, texts: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str]) -> Dataset:
+        """The texts as the model reads them (inside the run's prompt, if any), tokenised: `input_ids`."""
         table = pd.DataFrame({"text": texts, "label": self.labels[0]})
-        dataset = tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0}, self.prompter)
+        return tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0}, self.prompter)
+
+    def predict_probs(self, texts: list[str]) -> np.ndarray:
+        return self.probs(self.encode(texts))
+
+    def probs(self, dataset: Dataset) -> np.ndarray:
+        """Class probabilities of texts `encode` tokenised, in their order."""
         device = next(self.model.parameters()).device
         return predict_probs(
             self.model,
@@ -211,12 +219,6 @@ class Classifier:
             {"text": text, key: chosen, "probabilities": rounded(p, self.labels)}
             for text, chosen, p in zip(texts, predicted, probs, strict=True)
         ]
-
-
-def scorer(tokenizer: PreTrainedTokenizerBase, prompter: Prompter, labels: list[str]) -> LanguageModel:
-    """An `objective: lm` model's classes: each label's words scored after the prompt."""
-    words = prompter.label_tokens()
-    return LanguageModel(tokenizer, [words[label] for label in labels])
 
 
 def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:

@@ -177,8 +177,9 @@ class Batcher:
             self.metrics.queue.set(self.waiting)
         self.metrics.batch.observe(len(texts))
         try:
-            probs = self.classifier.predict_probs(texts)
-            tokens = [len(ids) for ids in self.classifier.tokenizer(texts)["input_ids"]]
+            encoded = self.classifier.encode(texts)
+            probs = self.classifier.probs(encoded)
+            tokens = [len(ids) for ids in encoded["input_ids"]]  # what the model read, prompt included
             results, start = [], 0
             for job in batch:
                 end = start + len(job.texts)

@@ -216,7 +216,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     )
     if cfg.objective == "lm":  # trained on prompt + response, scored on the prompt alone
         train_set = tokenize_responses(splits.train, prompter, splits.label2id)
-    objective = training_objective(cfg, train_set, tokenizer, prompter, splits.labels, accelerator)
+    objective = training_objective(cfg, train_set, prompter, splits.labels, accelerator)
     share = truncated_share(splits.train, tokenizer, cfg.max_length)
     if share > 0.05:
         console.print(
@@ -265,7 +265,6 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
 def training_objective(
     cfg: TrainConfig,
     train_set: Dataset,
-    tokenizer: PreTrainedTokenizerBase,
     prompter: Prompter | None,
     labels: list[str],
     accelerator: Accelerator,
@@ -279,10 +278,7 @@ def training_objective(
             "objective: lm is not supported under FSDP (its scorer runs a varying number of forward passes "
             "per batch); use DDP, or objective: head"
         )
-    words = prompter.label_tokens()
-    return LanguageModel.for_training(
-        cfg, train_set, tokenizer, [words[x] for x in labels], accelerator.device
-    )
+    return LanguageModel.for_training(cfg, train_set, prompter, labels, accelerator.device)
 
 
 def make_accelerator(cfg: TrainConfig, run: RunFolder) -> Accelerator:
