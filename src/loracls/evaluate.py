@@ -183,10 +183,11 @@ def score(
 
 
 def evaluate_run(
-    run_dir: str | Path, data: str | None = None, allow_unfinished: bool = False
+    run_dir: str | Path, data: str | None = None, allow_unfinished: bool = False, int8: bool = False
 ) -> tuple[dict, Path]:
     """Score a run's best checkpoint, as the run scored it, on its test split (reproducing `metrics.json`)
-    or on another labelled file; writes `RUN/eval/<name>/metrics.json` and `predictions.jsonl`."""
+    or on another labelled file; writes `RUN/eval/<name>/metrics.json` and `predictions.jsonl`
+    (`int8`: with the int8 CPU path, into `RUN/eval/<name>-int8/`)."""
     from loracls.data import label_names, read_labelled, separator
     from loracls.errors import LoraclsError
     from loracls.predict import Classifier  # predict imports this module
@@ -199,14 +200,14 @@ def evaluate_run(
         table = run.read_split("test")
     else:
         table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
-    classifier = Classifier.from_run(run.path, allow_unfinished=allow_unfinished)
+    classifier = Classifier.load(run.path, allow_unfinished=allow_unfinished, int8=int8)
     unknown = sorted(label_names(table["label"]) - set(classifier.labels))
     if unknown:
         raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
     probs = classifier.predict_probs(list(table["text"]))
     thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
     metrics = score(table, probs, classifier.labels, thresholds)
-    out = run.file("eval") / (Path(data).stem if data else "test")
+    out = run.file("eval") / ((Path(data).stem if data else "test") + ("-int8" if int8 else ""))
     out.mkdir(parents=True, exist_ok=True)
     write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels, thresholds=thresholds)
     write_json(out / "metrics.json", metrics)

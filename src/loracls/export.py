@@ -13,17 +13,23 @@ from transformers import AutoModelForCausalLM
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder
 from loracls.model import from_pretrained, load_tokenizer
-from loracls.predict import Classifier, run_thresholds
+from loracls.predict import Classifier, int8_from_run, run_thresholds
 from loracls.prompts import input_prompter
 from loracls.runs import RunFolder, package_version, write_json
 from loracls.sizing import eval_batch_size
 
 EXPORT_INFO = "loracls.json"
 """Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
+INT8_RANGES = "int8_ranges.safetensors"
+"""Written by `export --int8`: the calibrated input ranges `loracls.int8.quantize` smooths with."""
 
 
 def export_run(
-    run_dir: str | Path, out: str | Path, adapter_only: bool = False, allow_unfinished: bool = False
+    run_dir: str | Path,
+    out: str | Path,
+    adapter_only: bool = False,
+    allow_unfinished: bool = False,
+    int8: bool = False,
 ) -> Path:
     """Write `out`: by default the merged classifier (safetensors, config, tokenizer); else the adapter.
 
@@ -34,6 +40,10 @@ def export_run(
     text + `suffix` is what the classifier reads (the text cut to max_length tokens first). An
     `objective: lm` run exports a causal LM (`AutoModelForCausalLM`) with `objective: "lm"` and each label's
     `label_tokens`: a text's class is the label whose tokens are likeliest after its prompt.
+
+    `int8`: also check the int8 CPU path against fp32 on the run's test split (`int8_from_run`; refused if it
+    does not match) and keep its calibration (`INT8_RANGES`, and the check as `int8` in `loracls.json`), so
+    that `Classifier.load(export, int8=True)` and `--int8` only quantise.
     """
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
@@ -54,6 +64,10 @@ def export_run(
             verify_export(tmp, labels, cfg.objective)
             check_reload(tmp, classifier, cfg.objective)
             prompter = classifier.prompter
+        int8_check = None
+        if int8:
+            int8_check = int8_from_run(run.path, allow_unfinished).int8
+            shutil.copyfile(run.file("int8") / "ranges.safetensors", tmp / INT8_RANGES)
         write_json(
             tmp / EXPORT_INFO,
             {
@@ -72,6 +86,7 @@ def export_run(
                 "prompt": prompter.to_json() if prompter else None,
                 "objective": cfg.objective,
                 "label_tokens": prompter.label_tokens() if cfg.objective == "lm" else None,
+                "int8": int8_check,
                 "loracls": package_version("loracls"),
             },
         )

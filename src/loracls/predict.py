@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +12,14 @@ import pandas as pd
 import torch
 from datasets import Dataset
 from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loracls import int8 as int8_module
 from loracls.data import tokenize
 from loracls.errors import LoraclsError
-from loracls.evaluate import predict_probs, predicted_labels, rounded
+from loracls.evaluate import indicator, predict_probs, predicted_labels, rounded
+from loracls.files import atomic_folder
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import LanguageModel, Objective
 from loracls.prompts import Prompter, input_prompter
@@ -78,19 +82,31 @@ class Classifier:
     as it is."""
     objective: Objective | None = None
     """How a batch becomes class probabilities; None: the model's classification head."""
+    int8: dict | None = None
+    """With the decoder's linear layers in int8 (CPU): how it compared with fp32 on the run's test split."""
 
     @classmethod
     def load(
-        cls, path: str | Path, device: torch.device | None = None, allow_unfinished: bool = False
+        cls,
+        path: str | Path,
+        device: torch.device | None = None,
+        allow_unfinished: bool = False,
+        int8: bool = False,
     ) -> Classifier:
-        """A finished run folder (any run with `allow_unfinished`) or an export folder (merged or adapter)."""
+        """A finished run folder (any run with `allow_unfinished`) or an export folder (merged or adapter);
+        `int8`: its decoder's linear layers in int8 on the CPU, once they have matched fp32 on the test split
+        (`int8_from_run`; an export carries the check `loracls export --int8` made)."""
         path = Path(path)
+        if int8 and device is not None and device.type != "cpu":
+            raise LoraclsError(f"--int8 is a CPU inference path; the device here is {device}")
         if (path / "status.json").is_file():
+            if int8:
+                return int8_from_run(path, allow_unfinished)
             return cls.from_run(path, device, allow_unfinished)
         from loracls.export import EXPORT_INFO  # export writes the format; it imports this module
 
         if (path / EXPORT_INFO).is_file():
-            return cls.from_export(path, device)
+            return cls.from_export(path, torch.device("cpu") if int8 else device, int8)
         raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
 
     @classmethod
@@ -135,11 +151,18 @@ class Classifier:
         )
 
     @classmethod
-    def from_export(cls, path: str | Path, device: torch.device | None = None) -> Classifier:
+    def from_export(
+        cls, path: str | Path, device: torch.device | None = None, int8: bool = False
+    ) -> Classifier:
         path = Path(path)
-        from loracls.export import read_export_info
+        from loracls.export import INT8_RANGES, read_export_info
 
         info = read_export_info(path)
+        if int8 and not (info.get("int8") or {}).get("passed"):
+            raise LoraclsError(
+                f"{path} was exported without an int8 check; "
+                "export the run again with `loracls export --int8`"
+            )
         objective = info.get("objective", "head")
         if info["merged"]:
             tokenizer = load_tokenizer(str(path))
@@ -155,7 +178,9 @@ class Classifier:
         prompter = None
         if info.get("prompt"):
             prompter = Prompter.from_json(tokenizer, info["prompt"], info["max_length"])
-        return cls(
+        if int8:
+            int8_module.quantize(model.float().cpu(), load_file(path / INT8_RANGES))
+        classifier = cls(
             model.to(device or inference_device()).eval(),
             tokenizer,
             info["labels"],
@@ -166,6 +191,9 @@ class Classifier:
             prompter=prompter,
             objective=LanguageModel.reading(prompter, info["labels"]) if objective == "lm" else None,
         )
+        if int8:
+            classifier.precision, classifier.int8 = "fp32", info["int8"]
+        return classifier
 
     def encode(self, texts: list[str]) -> Dataset:
         """The texts as the model reads them (inside the run's prompt, if any), tokenised: `input_ids`."""
@@ -226,3 +254,56 @@ def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:
     tuned = run.file("thresholds.json")
     found = json.loads(tuned.read_text(encoding="utf-8")) if tuned.is_file() else {}
     return [found.get(name, 0.5) for name in labels]
+
+
+def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classifier:
+    """The run's classifier on the CPU with its decoder's linear layers in int8 (`loracls.int8`), refused
+    unless it matches fp32 on the run's test split.
+
+    The first call calibrates on the run's training texts and compares int8 with fp32 on (at most
+    `PARITY_TEXTS` of) its test split; both results are kept in RUN/int8/ for the best checkpoint they were
+    measured on, so later calls only quantise."""
+    run = RunFolder(run_dir)
+    run.check_finished(allow_unfinished)
+    classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)
+    classifier.precision = "fp32"
+    stored, adapter = run.file("int8"), sha256(run.best / "adapter_model.safetensors")
+    result = None
+    if (stored / "parity.json").is_file():
+        result = json.loads((stored / "parity.json").read_text(encoding="utf-8"))
+    if result and result.get("adapter_sha256") == adapter:
+        int8_module.quantize(classifier.model, load_file(stored / "ranges.safetensors"))
+    else:
+        result, ranges = measure_int8(classifier, run)
+        result["adapter_sha256"] = adapter
+        with atomic_folder(stored) as tmp:
+            save_file(ranges, tmp / "ranges.safetensors")
+            (tmp / "parity.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    int8_module.check_parity(result, str(run.path))
+    classifier.int8 = result
+    return classifier
+
+
+def measure_int8(classifier: Classifier, run: RunFolder) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Calibrate `classifier` (fp32, CPU) on the run's training texts, quantise it in place, and compare its
+    test-split predictions with fp32's: the parity record and the input ranges."""
+    train, test = run.read_split("train"), run.read_split("test").iloc[: int8_module.PARITY_TEXTS]
+    calibration = train.sample(min(len(train), int8_module.CALIBRATION_TEXTS), random_state=0)
+    ranges = int8_module.input_ranges(
+        classifier.model, lambda: classifier.predict_probs(list(calibration["text"]))
+    )
+    texts = list(test["text"])
+    reference = classifier.predict_probs(texts)
+    int8_module.quantize(classifier.model, ranges)
+    candidate = classifier.predict_probs(texts)
+    if classifier.thresholds is None:
+        ids = {name: i for i, name in enumerate(classifier.labels)}
+        gold, decide = np.array([ids[x] for x in test["label"]]), lambda p: p.argmax(-1)
+    else:
+        thresholds = np.array(classifier.thresholds)
+        gold, decide = indicator(test, classifier.labels), lambda p: (p >= thresholds).astype(int)
+    return int8_module.parity(decide(reference), decide(candidate), gold), ranges
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

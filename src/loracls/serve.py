@@ -415,6 +415,7 @@ def serve(
     limits: ServeLimits,
     precision: str = "auto",
     allow_unfinished: bool = False,
+    int8: bool = False,
 ) -> int:
     """Run the service until SIGINT/SIGTERM (queued requests are answered first); returns the exit code:
     0, or 1 when the model failed to load."""
@@ -423,11 +424,14 @@ def serve(
     from loracls.output import console
 
     path = Path(path)
-    info = describe_model(path, allow_unfinished)
+    info = describe_model(path, allow_unfinished) | {"int8": None}
 
     def load() -> Classifier:
-        classifier = Classifier.load(path, allow_unfinished=allow_unfinished)
-        classifier.precision = precision
+        classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
+        if int8:  # /info shows how int8 compared with fp32
+            info["int8"] = classifier.int8
+        else:
+            classifier.precision = precision
         on_gpu = next(classifier.model.parameters()).device.type != "cpu"
         classifier.batch_size = limits.pass_size or (limits.max_batch if on_gpu else CPU_PASS)
         return classifier
