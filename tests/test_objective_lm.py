@@ -3,6 +3,7 @@ response is, classes come from the baseline's scorer, and the run trains, resume
 predicts (and generates) through the CLI like a head run."""
 
 import json
+import shutil
 import signal
 
 import numpy as np
@@ -173,6 +174,16 @@ def test_eval_predict_generate_and_export_of_an_lm_run(lm_run, tmp_path):
         )
 
     assert plain_transformers_labels(export, texts) == [r["label"] for r in records]
+
+
+def test_int8_reads_an_lm_run_as_fp32_does(lm_run, tmp_path):
+    run = shutil.copytree(lm_run, tmp_path / "run")  # the check writes RUN/int8/
+    texts = ["good story", "awful plot and bad", "love it"]
+    fp32, int8 = (invoke("predict", run, *texts, *extra) for extra in ([], ["--int8"]))
+    assert int8.exit_code == 0, int8.output
+    assert json.loads((run / "int8/parity.json").read_text())["passed"]
+    records = [[json.loads(x) for x in r.output.splitlines() if x.startswith("{")] for r in (fp32, int8)]
+    assert [r["label"] for r in records[0]] == [r["label"] for r in records[1]]
 
 
 def plain_transformers_labels(export, texts: list[str]) -> list[str]:

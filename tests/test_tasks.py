@@ -128,6 +128,13 @@ def test_multi_label_trains_tunes_thresholds_predicts_and_exports(tmp_path, tiny
     again = json.loads(invoke("predict", tmp_path / "export", "ball song the a").stdout)
     assert again["labels"] == record["labels"]
 
+    result = invoke("predict", out, "ball song the a", "--int8")  # int8 compares label sets with fp32's
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert json.loads(lines[0])["labels"] == record["labels"]
+    check = json.loads((out / "int8/parity.json").read_text())
+    assert check["passed"] and check["texts"] == len((out / "data/test.jsonl").read_text().splitlines())
+
 
 def test_class_imbalance_is_reported_and_weighted(tmp_path):
     path = tmp_path / "skewed.csv"
