@@ -119,7 +119,8 @@ def summarise(points: list[dict]) -> list[dict]:
     for p in points:
         groups.setdefault((p["data"], p["way"], p["n"]), []).append(p)
         if "baseline_test" in p:
-            groups.setdefault((p["data"], "baseline", p["n"]), []).append({**p, "test": p["baseline_test"]})
+            # the prompt alone, scored inside the run: a test score, no validation or time of its own
+            groups.setdefault((p["data"], "baseline", p["n"]), []).append({"test": p["baseline_test"]})
     rows = []
     for (data, way, n), found in sorted(groups.items()):
         row = {"data": data, "way": way, "n": n, "seeds": len(found)}
@@ -141,10 +142,11 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         acc, f1 = r["test_accuracy_range"], r["test_macro_f1_range"]
+        val = f"{r['val_macro_f1']:.3f}" if "val_macro_f1" in r else "-"
         lines.append(
             f"| {r['data']} | {r['way']} | {r['n']} | {r['seeds']} | {r['test_accuracy']:.3f} "
             f"({acc[0]:.3f}-{acc[1]:.3f}) | {r['test_macro_f1']:.3f} ({f1[0]:.3f}-{f1[1]:.3f}) | "
-            f"{r.get('val_macro_f1', float('nan')):.3f} | {r['wall_s']} |"
+            f"{val} | {r['wall_s']} |"
         )
     return "\n".join(lines)
 
