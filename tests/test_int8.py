@@ -73,6 +73,10 @@ def test_int8_is_checked_once_against_fp32_and_agrees_through_predict_eval_and_e
     stamp = (run / "int8" / "parity.json").stat().st_mtime_ns
     assert predictions(run, "--int8") == quantised  # the stored calibration: same model, not measured again
     assert (run / "int8" / "parity.json").stat().st_mtime_ns == stamp
+    older = check | {"recipe": "an earlier int8 recipe", "passed": False}
+    (run / "int8" / "parity.json").write_text(json.dumps(older))
+    assert predictions(run, "--int8") == quantised  # a check made another way is measured again
+    assert json.loads((run / "int8" / "parity.json").read_text())["recipe"] == int8.RECIPE
 
     result = invoke("eval", run, "--int8")
     assert result.exit_code == 0, result.output

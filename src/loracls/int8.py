@@ -22,6 +22,8 @@ from torch import nn
 
 from loracls.errors import LoraclsError
 
+RECIPE = "per-token int8, SmoothQuant, down_proj in float (1)"
+"""Names the recipe a stored check was made with; a check made with another is measured again."""
 ALPHA = 0.5
 """How much of each input channel's range moves into the weights (SmoothQuant's default)."""
 KEPT_FLOAT = ("down_proj",)
@@ -135,6 +137,7 @@ def parity(reference: np.ndarray, candidate: np.ndarray, gold: np.ndarray) -> di
         "passed": agreement >= MIN_AGREEMENT and accuracy - accuracy_int8 <= MAX_ACCURACY_DROP,
         "min_agreement": MIN_AGREEMENT,
         "max_accuracy_drop": MAX_ACCURACY_DROP,
+        "recipe": RECIPE,
         "alpha": ALPHA,
         "kept_float": list(KEPT_FLOAT),
     }

@@ -262,7 +262,7 @@ def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classi
 
     The first call calibrates on the run's training texts and compares int8 with fp32 on (at most
     `PARITY_TEXTS` of) its test split; both results are kept in RUN/int8/ for the best checkpoint they were
-    measured on, so later calls only quantise."""
+    measured on and the recipe (`int8.RECIPE`), so later calls only quantise."""
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
     classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)
@@ -271,7 +271,7 @@ def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classi
     result = None
     if (stored / "parity.json").is_file():
         result = json.loads((stored / "parity.json").read_text(encoding="utf-8"))
-    if result and result.get("adapter_sha256") == adapter:
+    if result and result.get("adapter_sha256") == adapter and result.get("recipe") == int8_module.RECIPE:
         int8_module.quantize(classifier.model, load_file(stored / "ranges.safetensors"))
     else:
         result, ranges = measure_int8(classifier, run)
