@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder
 from loracls.model import from_pretrained, load_tokenizer
-from loracls.predict import Classifier, int8_from_run, run_thresholds
+from loracls.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
 from loracls.prompts import input_prompter
 from loracls.runs import RunFolder, package_version, write_json
 from loracls.sizing import eval_batch_size
@@ -65,8 +65,13 @@ def export_run(
             check_reload(tmp, classifier, cfg.objective)
             prompter = classifier.prompter
         int8_check = None
-        if int8:
-            int8_check = int8_from_run(run.path, allow_unfinished).int8
+        if int8:  # the merged fp32 classifier just saved, quantised in place: not loaded a second time
+            checked = (
+                int8_from_run(run.path, allow_unfinished)
+                if adapter_only
+                else quantize_checked(classifier, run)
+            )
+            int8_check = checked.int8
             shutil.copyfile(run.file("int8") / "ranges.safetensors", tmp / INT8_RANGES)
         write_json(
             tmp / EXPORT_INFO,

@@ -23,7 +23,7 @@ from loracls.files import atomic_folder
 from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import LanguageModel, Objective
 from loracls.prompts import Prompter, input_prompter
-from loracls.runs import RunFolder
+from loracls.runs import RunFolder, write_json
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
 from loracls.zeroshot import load_causal_lm
 
@@ -258,14 +258,19 @@ def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:
 
 def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classifier:
     """The run's classifier on the CPU with its decoder's linear layers in int8 (`loracls.int8`), refused
-    unless it matches fp32 on the run's test split.
+    unless it matches fp32 on the run's test split (`quantize_checked`)."""
+    run = RunFolder(run_dir)
+    run.check_finished(allow_unfinished)
+    classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)
+    return quantize_checked(classifier, run)
+
+
+def quantize_checked(classifier: Classifier, run: RunFolder) -> Classifier:
+    """`classifier` (the run's, fp32 on the CPU) quantised in place, refused unless it matches fp32.
 
     The first call calibrates on the run's training texts and compares int8 with fp32 on (at most
     `PARITY_TEXTS` of) its test split; both results are kept in RUN/int8/ for the best checkpoint they were
     measured on and the recipe (`int8.RECIPE`), so later calls only quantise."""
-    run = RunFolder(run_dir)
-    run.check_finished(allow_unfinished)
-    classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)
     classifier.precision = "fp32"
     stored, adapter = run.file("int8"), sha256(run.best / "adapter_model.safetensors")
     result = None
@@ -278,7 +283,7 @@ def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classi
         result["adapter_sha256"] = adapter
         with atomic_folder(stored) as tmp:
             save_file(ranges, tmp / "ranges.safetensors")
-            (tmp / "parity.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+            write_json(tmp / "parity.json", result)
     int8_module.check_parity(result, str(run.path))
     classifier.int8 = result
     return classifier
