@@ -3,7 +3,7 @@ accuracy and macro-F1 of each way at each training size, with the seeds' spread.
 
     python benchmarks/learning_curve.py [--data zh-reviews,en-tweets] [--sizes 50,100,200,400,800,2000]
         [--seeds 3] [--seeded-up-to 400] [--ways tfidf,today,zero,verbalizer] [--eval 200] [--test 400]
-        [--out benchmarks/results/learning_curve.json] [--resume] [KEY=VALUE ...]
+        [--out benchmarks/results/learning_curve.json] [--resume] [--include OTHER.json] [KEY=VALUE ...]
 
 Every point of a data set trains on a stratified sample of its training split (seed s; sizes above
 `--seeded-up-to` use seed 0 only) and is validated and tested on the same `--eval` validation and `--test`
@@ -21,8 +21,10 @@ Ways:
   defaults    `loracls train` with nothing set (head_init as the defaults decide)
 
 KEY=VALUE pairs change every loracls way's config (e.g. `lr=1e-3`) except what the way itself sets.
-Results are written after every point; `--resume` keeps the points already in `--out`. Defaults are to
-be chosen on the `val` figures, never on `test`. Prints a table of means and spreads and writes a plot
+Results are written after every point, each with the commit it ran on; `--resume` keeps the points already
+in `--out`, `--include` adds those of another result file that `--out` lacks (a curve gathered over
+several sittings: the table names every commit its points came from). Defaults are to be chosen on the
+`val` figures, never on `test`. Prints a table of means and spreads and writes a plot
 beside the JSON.
 """
 
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from common import RESULTS, write_result
+from common import CODE, RESULTS, write_result
 from lora_vs_tfidf import tfidf_scores
 
 from loracls.config import TrainConfig, parse_overrides
@@ -120,7 +122,9 @@ def summarise(points: list[dict]) -> list[dict]:
         groups.setdefault((p["data"], p["way"], p["n"]), []).append(p)
         if "baseline_test" in p:
             # the prompt alone, scored inside the run: a test score, no validation or time of its own
-            groups.setdefault((p["data"], "baseline", p["n"]), []).append({"test": p["baseline_test"]})
+            groups.setdefault((p["data"], "baseline", p["n"]), []).append(
+                {"test": p["baseline_test"], **({"git": p["git"]} if "git" in p else {})}
+            )
     rows = []
     for (data, way, n), found in sorted(groups.items()):
         row = {"data": data, "way": way, "n": n, "seeds": len(found)}
@@ -131,14 +135,16 @@ def summarise(points: list[dict]) -> list[dict]:
                     row[f"{split}_{key}"] = round(statistics.mean(values), 4)
                     row[f"{split}_{key}_range"] = [round(min(values), 4), round(max(values), 4)]
         row["wall_s"] = round(statistics.mean(p.get("wall_s", 0) for p in found), 1)
+        row["commits"] = sorted({p["git"][:7] for p in found if "git" in p})
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| data | way | n | seeds | test accuracy (range) | test macro-F1 (range) | val macro-F1 | wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| data | way | n | seeds | test accuracy (range) | test macro-F1 (range) | val macro-F1 | wall s "
+        "| commits |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         acc, f1 = r["test_accuracy_range"], r["test_macro_f1_range"]
@@ -146,7 +152,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['data']} | {r['way']} | {r['n']} | {r['seeds']} | {r['test_accuracy']:.3f} "
             f"({acc[0]:.3f}-{acc[1]:.3f}) | {r['test_macro_f1']:.3f} ({f1[0]:.3f}-{f1[1]:.3f}) | "
-            f"{val} | {r['wall_s']} |"
+            f"{val} | {r['wall_s']} | {' '.join(r.get('commits', [])) or '-'} |"
         )
     return "\n".join(lines)
 
@@ -181,6 +187,9 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=400, help="test examples")
     parser.add_argument("--out", type=Path, default=RESULTS / "learning_curve.json")
     parser.add_argument("--resume", action="store_true", help="keep the points already in --out")
+    parser.add_argument(
+        "--include", type=Path, action="append", default=[], help="add the points of another result file"
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="changes to every loracls way")
     args = parser.parse_args()
     overrides = parse_overrides(args.overrides)
@@ -190,6 +199,12 @@ def main() -> None:
         parser.error(f"unknown ways {unknown}; choose from tfidf, {', '.join(WAYS)}")
     points = json.loads(args.out.read_text())["points"] if args.resume and args.out.is_file() else []
     done = {(p["data"], p["way"], p["n"], p["seed"]) for p in points}
+    for other in args.include:
+        found = json.loads(other.read_text())
+        for p in found["points"]:
+            if (p["data"], p["way"], p["n"], p["seed"]) not in done:
+                points.append({"git": found["git"], "src_modified": found["src_modified"], **p})
+                done.add((p["data"], p["way"], p["n"], p["seed"]))
     folder = Path(tempfile.mkdtemp(prefix="learning-curve-"))
     for data in args.data.split(","):
         val, test, train_split = write_splits(data, args.eval, args.test, folder)
@@ -218,6 +233,8 @@ def main() -> None:
                             "n": n,
                             "seed": seed,
                             "train_examples": len(sample),
+                            "git": CODE[0],
+                            "src_modified": CODE[1],
                             **point,
                         }
                     )
