@@ -24,8 +24,8 @@ KEY=VALUE pairs change every loracls way's config (e.g. `lr=1e-3`) except what t
 Results are written after every point, each with the commit it ran on; `--resume` keeps the points already
 in `--out`, `--include` adds those of another result file that `--out` lacks (a curve gathered over
 several sittings: the table names every commit its points came from). Defaults are to be chosen on the
-`val` figures, never on `test`. Prints a table of means and spreads and writes a plot
-beside the JSON.
+`val` figures, never on `test`. Prints a table of means and spreads (long, then one column per way) and
+writes a plot beside the JSON; `--table` only prints and plots what `--out` holds.
 """
 
 from __future__ import annotations
@@ -157,6 +157,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def wide_table(rows: list[dict]) -> str:
+    """One line per data set and size, one column per way: mean test accuracy / macro-F1, the mean
+    validation macro-F1 in brackets, and the number of seeds where there are more than one."""
+    order = ("tfidf", "baseline", "today", "zero", "verbalizer", "lm", "defaults")
+    ways = [w for w in order if any(r["way"] == w for r in rows)]
+    lines = ["| data | n | " + " | ".join(ways) + " |", "|---|---|" + "---|" * len(ways)]
+    cells = {(r["data"], r["n"], r["way"]): r for r in rows}
+    for data, n in sorted({(r["data"], r["n"]) for r in rows}, key=lambda k: (k[0], -k[1])):
+        line = []
+        for way in ways:
+            r = cells.get((data, n, way))
+            cell = f"{r['test_accuracy']:.3f} / {r['test_macro_f1']:.3f}" if r else ""
+            if r and "val_macro_f1" in r:
+                cell += f" ({r['val_macro_f1']:.3f})"
+            if r and r["seeds"] > 1:
+                cell += f" x{r['seeds']}"
+            line.append(cell)
+        lines.append(f"| {data} | {n} | " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -190,6 +211,7 @@ def main() -> None:
     parser.add_argument(
         "--include", type=Path, action="append", default=[], help="add the points of another result file"
     )
+    parser.add_argument("--table", action="store_true", help="print --out's tables and plot; run nothing")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="changes to every loracls way")
     args = parser.parse_args()
     overrides = parse_overrides(args.overrides)
@@ -197,6 +219,11 @@ def main() -> None:
     unknown = [w for w in ways if w != "tfidf" and w not in WAYS]
     if unknown:
         parser.error(f"unknown ways {unknown}; choose from tfidf, {', '.join(WAYS)}")
+    if args.table:
+        rows = summarise(json.loads(args.out.read_text())["points"])
+        print(table(rows), wide_table(rows), sep="\n\n")
+        plot(rows, args.out.with_suffix(".png"))
+        return
     points = json.loads(args.out.read_text())["points"] if args.resume and args.out.is_file() else []
     done = {(p["data"], p["way"], p["n"], p["seed"]) for p in points}
     for other in args.include:
@@ -254,7 +281,7 @@ def main() -> None:
                         },
                     )
     rows = summarise(points)
-    print(table(rows))
+    print(table(rows), wide_table(rows), sep="\n\n")
     plot(rows, args.out.with_suffix(".png"))
     shutil.rmtree(folder)
 
