@@ -24,10 +24,10 @@ HERE = Path(__file__).parent
 DEMO_RUN = "runs/demo-benchmark"
 
 DEMO_EN_RUN = "runs/demo-en-tweets-benchmark"
-LC_ZH, LC_EN = "2000,800,400,200,100,50", "400,100"
+LC_ZH, LC_EN = "2000,800,400,200,100,50", "800,400,200,100,50"
 LC_WAYS = "tfidf,today,verbalizer,lm"
-"""The learning curve's sizes, largest first (the figure that costs most and decides the most comes first),
-and its ways (the `zero` way, a zero head with the new lr and min_steps, ran at 100 and 400 to choose)."""
+"""The learning curve's sizes, largest first (3 seeds up to 400: `learning_curve.py --seeded-up-to`), and its
+ways (the `zero` way, a zero head with the new lr and min_steps, ran at 100 and 400 to choose)."""
 
 JOBS: dict[str, tuple[list[str], list[str]]] = {
     # name: (full arguments, quick arguments); `{out}` is the results folder. Timing-sensitive jobs first.
@@ -96,7 +96,7 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         + ["--out", "{out}/length_grouping.json"],
     ),
     "learning_curve": (
-        ["learning_curve.py", "--data", "zh-reviews", "--sizes", LC_ZH, "--seeds", "1", "--ways", LC_WAYS]
+        ["learning_curve.py", "--data", "zh-reviews", "--sizes", LC_ZH, "--seeds", "3", "--ways", LC_WAYS]
         + ["--out", "{out}/learning_curve.json"],
         ["learning_curve.py", "--data", "zh-reviews", "--sizes", "16", "--seeds", "1", "--eval", "16"]
         + ["--test", "16", "--ways", "tfidf,today,verbalizer", "--out", "{out}/learning_curve.json"]
@@ -110,7 +110,7 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         + ["min_steps=2", "prompt_sample=8"],
     ),
     "learning_curve_en": (
-        ["learning_curve.py", "--data", "en-tweets", "--sizes", LC_EN, "--seeds", "1", "--ways", LC_WAYS]
+        ["learning_curve.py", "--data", "en-tweets", "--sizes", LC_EN, "--seeds", "3", "--ways", LC_WAYS]
         + ["--resume", "--out", "{out}/learning_curve.json"],
         ["learning_curve.py", "--data", "en-tweets", "--sizes", "16", "--seeds", "1", "--eval", "16"]
         + ["--test", "16", "--ways", "tfidf,verbalizer", "--out", "{out}/learning_curve_en.json"]
