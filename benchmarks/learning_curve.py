@@ -115,6 +115,11 @@ def loracls_point(way: str, train_file: Path, val: Path, test: Path, seed: int, 
     return point
 
 
+def point_key(p: dict) -> tuple:
+    """What identifies a point: data set, way, training size, seed."""
+    return p["data"], p["way"], p["n"], p["seed"]
+
+
 def summarise(points: list[dict]) -> list[dict]:
     """Mean and spread (min-max) per data set, way and size, of test and val accuracy and macro-F1."""
     groups: dict[tuple, list[dict]] = {}
@@ -225,13 +230,13 @@ def main() -> None:
         plot(rows, args.out.with_suffix(".png"))
         return
     points = json.loads(args.out.read_text())["points"] if args.resume and args.out.is_file() else []
-    done = {(p["data"], p["way"], p["n"], p["seed"]) for p in points}
+    done = {point_key(p) for p in points}
     for other in args.include:
         found = json.loads(other.read_text())
         for p in found["points"]:
-            if (p["data"], p["way"], p["n"], p["seed"]) not in done:
+            if point_key(p) not in done:
                 points.append({"git": found["git"], "src_modified": found["src_modified"], **p})
-                done.add((p["data"], p["way"], p["n"], p["seed"]))
+                done.add(point_key(p))
     folder = Path(tempfile.mkdtemp(prefix="learning-curve-"))
     for data in args.data.split(","):
         val, test, train_split = write_splits(data, args.eval, args.test, folder)

@@ -1,6 +1,6 @@
 """Re-measure every figure that README.md and benchmarks/README.md quote, on the current commit.
 
-    python benchmarks/reproduce.py                 # all of it: about an hour and a half on 2 CPU cores
+    python benchmarks/reproduce.py                 # all of it: about five hours on 2 CPU cores
     python benchmarks/reproduce.py --only demo,mfu # some of it
     python benchmarks/reproduce.py --quick         # each script once at toy sizes, results to a temp folder
     python benchmarks/reproduce.py --list
