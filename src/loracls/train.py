@@ -258,8 +258,18 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     }
     run.write_json("metrics.json", metrics)
     accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
-    accelerator.end_training()
+    del model, best  # under DDP/FSDP they hold the process group, which end_processes() destroys
+    end_processes(accelerator)
     return metrics
+
+
+def end_processes(accelerator: Accelerator) -> None:
+    """Stop the trackers and destroy the process group once every process is done, with the wrapped model
+    released first, so nothing of the group is left for the interpreter's exit to tear down: gloo's threads
+    racing interpreter finalisation abort a process now and then (pytorch/pytorch#190489)."""
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    accelerator.end_training()
 
 
 def training_objective(
