@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/loracls train --config configs/demo.yaml
 
 test: $(STAMP) lint
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -ra -m "not slow"

@@ -14,14 +14,10 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags, cpu_has_fast_bf16
 from loracls.runs import environment
-from loracls.sizing import cpu_flags, cpu_has_fast_bf16
 
 RESULTS = Path(__file__).parent / "results"
-
-
-CPU_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"}
-"""The CPU features that decide what a CPU run measures (bf16 in hardware or emulated)."""
 
 
 def machine() -> dict:
@@ -32,7 +28,7 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cpu_bf16": cpu_has_fast_bf16(),
         "cpu_avx512": "avx512f" in cpu_flags(),
-        "cpu_flags": sorted(cpu_flags() & CPU_FLAGS),
+        "cpu_flags": sorted(cpu_flags() & CPU_PRECISION_FLAGS),
         "device": device.type,
     }
     if device.type == "cuda":

@@ -21,9 +21,10 @@ Ways:
   defaults    `loracls train` with nothing set (head_init as the defaults decide)
 
 KEY=VALUE pairs change every loracls way's config (e.g. `lr=1e-3`) except what the way itself sets.
-Results are written after every point, each with the commit it ran on; `--resume` keeps the points already
-in `--out`, `--include` adds those of another result file that `--out` lacks (a curve gathered over
-several sittings: the table names every commit its points came from). Defaults are to be chosen on the
+Results are written after every point, each with the commit, CPU flags and precision (`auto`'s: bf16 or
+`no`, fp32) it ran on; `--resume` keeps the points already in `--out`, `--include` adds those of another
+result file that `--out` lacks (a curve gathered over several sittings: the table names every commit its
+points came from). Defaults are to be chosen on the
 `val` figures, never on `test`. Prints a table of means and spreads (long, then one column per way) and
 writes a plot beside the JSON; `--table` only prints and plots what `--out` holds.
 """
@@ -39,11 +40,12 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from common import CODE, RESULTS, write_result
+from common import CODE, RESULTS, machine, write_result
 from lora_vs_tfidf import tfidf_scores
 
 from loracls.config import TrainConfig, parse_overrides
 from loracls.data import load_splits, stratified_sample
+from loracls.sizing import mixed_precision
 from loracls.train import train
 
 WAYS = {
@@ -128,7 +130,7 @@ def summarise(points: list[dict]) -> list[dict]:
         if "baseline_test" in p:
             # the prompt alone, scored inside the run: a test score, no validation or time of its own
             groups.setdefault((p["data"], "baseline", p["n"]), []).append(
-                {"test": p["baseline_test"], **({"git": p["git"]} if "git" in p else {})}
+                {"test": p["baseline_test"], **{k: p[k] for k in ("git", "precision") if k in p}}
             )
     rows = []
     for (data, way, n), found in sorted(groups.items()):
@@ -141,6 +143,7 @@ def summarise(points: list[dict]) -> list[dict]:
                     row[f"{split}_{key}_range"] = [round(min(values), 4), round(max(values), 4)]
         row["wall_s"] = round(statistics.mean(p.get("wall_s", 0) for p in found), 1)
         row["commits"] = sorted({p["git"][:7] for p in found if "git" in p})
+        row["precisions"] = sorted({p["precision"] for p in found if "precision" in p})
         rows.append(row)
     return rows
 
@@ -237,6 +240,8 @@ def main() -> None:
             if point_key(p) not in done:
                 points.append({"git": found["git"], "src_modified": found["src_modified"], **p})
                 done.add(point_key(p))
+    # the machine is the file's, and a point may come from another: each says on what CPU and precision
+    where = {"cpu_flags": machine()["cpu_flags"], "precision": mixed_precision("auto")}
     folder = Path(tempfile.mkdtemp(prefix="learning-curve-"))
     for data in args.data.split(","):
         val, test, train_split = write_splits(data, args.eval, args.test, folder)
@@ -267,6 +272,7 @@ def main() -> None:
                             "train_examples": len(sample),
                             "git": CODE[0],
                             "src_modified": CODE[1],
+                            **where,
                             **point,
                         }
                     )

@@ -182,6 +182,10 @@ MACHINES = {
     "h100": cuda_machine("NVIDIA H100 80GB HBM3", 79.1, "sm_90", "550.90.07", bitsandbytes="0.45.0"),
     "rtx5090_old_wheel": cuda_machine("NVIDIA GeForce RTX 5090", 31.4, "sm_120", "570.86.10"),
     "cpu": cpu_machine(),
+    "cpu_avx2": cpu_machine(cpu_flags=["avx2"], cpu_machine="x86_64"),
+    "cpu_avx512_bf16": cpu_machine(
+        cpu_flags=["avx2", "avx512_bf16", "avx512_vnni", "avx512f"], cpu_machine="x86_64"
+    ),
     "cpu_wheel_on_mi210": cpu_machine(system_rocm="6.2.4-120", driver="6.8.5", rocminfo_gpus=["gfx90a"]),
 }
 

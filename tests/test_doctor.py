@@ -138,6 +138,10 @@ def test_nvidia_machines():
 def test_cpu_machines():
     cpu = diagnose(MACHINES["cpu"])
     assert cpu.backend == "cpu" and cpu.can_train and "qlora" not in levels(cpu)
+    avx2, bf16 = diagnose(MACHINES["cpu_avx2"]), diagnose(MACHINES["cpu_avx512_bf16"])
+    assert avx2.can_train and "in fp32 (no AVX-512-BF16 or AMX" in avx2.findings[0].message
+    assert levels(avx2)["int8"] == "warn" and "--int8 is refused" in avx2.findings[1].message
+    assert "in bf16 (AVX-512-BF16" in bf16.findings[0].message and "int8" not in levels(bf16)
     hidden = diagnose(MACHINES["cpu_wheel_on_mi210"])
     assert not hidden.can_train
     assert "rocminfo sees gfx90a but torch sees no GPU" in hidden.findings[0].message

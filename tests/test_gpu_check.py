@@ -33,7 +33,7 @@ def test_gpu_check_dry_run_records_every_check(tmp_path):
     assert result["mode"] == "cpu dry run" and result["machine"]["device"] == "cpu"
     assert checks["train_fp16_scaler_nan"]["skipped_steps"] == [3]  # the forced NaN micro-batch's step
     assert "needs a GPU" in checks["qlora_4bit"]["refused"]
-    assert checks["train_fp32"]["max_abs_loss_diff_vs_bf16"] < 0.05  # the same run in two precisions
+    assert checks["train_fp32"]["mean_abs_loss_diff_vs_bf16"] < 0.01  # the same run in two precisions
     assert checks["inference"]["texts_per_s"] > 0 and checks["mfu"]["gemm_peak_tflops"] > 0
     for name in ("train_bf16_probed", "train_fp32", "train_lm_bf16_probed"):
         assert len(checks[name]["losses"]) >= 4 and checks[name]["train"]["examples_per_s"] > 0

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from loracls import int8
+from loracls import cpu, int8
+from loracls.cpu import SLOW_CPU_OVERRIDE
 from loracls.predict import Classifier
 from tests.conftest import FAMILIES, invoke
 from tests.test_serve import server
@@ -104,6 +105,31 @@ def test_int8_that_does_not_match_fp32_is_refused(run, monkeypatch):
     result = invoke("predict", run, "--int8", *TEXTS)
     assert result.exit_code != 0
     assert "int8 does not match fp32" in result.output and "needs 101%" in result.output
+
+
+def test_int8_is_refused_before_loading_on_a_cpu_without_int8_instructions(run, tmp_path, monkeypatch):
+    monkeypatch.delenv(SLOW_CPU_OVERRIDE)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})  # no VNNI, no AMX
+    for command in (
+        ["predict", run, "--int8", *TEXTS],
+        ["eval", run, "--int8"],
+        ["export", run, "--out", tmp_path / "export", "--int8"],
+        ["serve", run, "--int8"],
+    ):
+        result = invoke(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert "this CPU lacks" in result.output and SLOW_CPU_OVERRIDE in result.output
+    assert not (run / "int8").exists() and not (tmp_path / "export").exists()
+    monkeypatch.setenv(SLOW_CPU_OVERRIDE, "1")
+    assert invoke("predict", run, "--int8", *TEXTS).exit_code == 0
+
+
+def test_which_cpus_run_int8():
+    assert not cpu.cpu_has_fast_int8({"avx2", "fma", "avx512f", "avx512bw"}, "x86_64")
+    assert cpu.cpu_has_fast_int8({"avx2", "avx_vnni"}, "x86_64")
+    assert cpu.cpu_has_fast_int8({"avx512f", "avx512_vnni"}, "x86_64")
+    assert cpu.cpu_has_fast_int8({"amx_int8", "amx_tile"}, "AMD64")
+    assert cpu.cpu_has_fast_int8(set(), "aarch64")  # not measured there: not refused
 
 
 @pytest.mark.parametrize("family", FAMILIES)

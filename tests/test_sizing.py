@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loracls import sizing
+from loracls import cpu, sizing
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
 from loracls.train import train
@@ -19,6 +19,10 @@ def test_auto_precision_uses_bf16_only_on_cpus_that_compute_it():
     assert sizing.mixed_precision("auto", "cpu", flags={"amx_bf16", "amx_tile"}) == "bf16"
     assert sizing.mixed_precision("fp32", "cpu", flags={"avx512_bf16"}) == "no"
     assert sizing.mixed_precision("bf16", "cpu", flags=set()) == "bf16"
+    assert "emulated" in cpu.emulated_bf16_warning("bf16", "cpu", flags={"avx2", "fma"})
+    assert cpu.emulated_bf16_warning("bf16", "cpu", flags={"avx512_bf16"}) is None
+    assert cpu.emulated_bf16_warning("auto", "cpu", flags={"avx2"}) is None
+    assert cpu.emulated_bf16_warning("bf16", "cuda", flags={"avx2"}) is None
 
 
 def test_micro_batches_divide_the_batch_largest_first():

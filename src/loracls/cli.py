@@ -488,8 +488,10 @@ def serve(
 ) -> None:
     """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
     try:
+        from loracls.cpu import check_int8_cpu, emulated_bf16_warning
         from loracls.serve import ServeLimits
         from loracls.serve import serve as run_server
+        from loracls.sizing import inference_device
     except ImportError as e:
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
@@ -498,6 +500,14 @@ def serve(
         fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
     if int8 and precision == "bf16":
         fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
+    try:
+        if int8:
+            check_int8_cpu()
+    except LoraclsError as e:
+        fail(e)
+    slow = emulated_bf16_warning(precision, inference_device().type)
+    if slow:
+        console.print(f"[yellow]{slow}[/]", soft_wrap=True)
     limits = ServeLimits(max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
     try:
         code = run_server(path, host, port, limits, precision, allow_unfinished, int8)

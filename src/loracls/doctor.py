@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags, cpu_has_fast_bf16, cpu_has_fast_int8
 from loracls.rocm import (
     ISA_FAMILIES,
     ROCM_VERSION_FILES,
@@ -60,6 +62,10 @@ class Facts:
     rocminfo_gpus: list[str] = field(default_factory=list)
     """The gfx names rocminfo reports: what the runtime sees, even when torch sees no GPU."""
     mps: bool = False
+    cpu_flags: list[str] = field(default_factory=list)
+    """The CPU's bf16 and int8 instruction flags (`CPU_PRECISION_FLAGS`): what `auto` and `--int8` use."""
+    cpu_machine: str = ""
+    """`platform.machine()`: x86_64, aarch64, ..."""
 
     @classmethod
     def from_json(cls, data: dict) -> Facts:
@@ -298,7 +304,27 @@ def check_no_gpu(facts: Facts) -> list[Finding]:
         ]
     if facts.mps:
         return [Finding("ok", "mps", "Apple GPU (MPS): trains in fp32; no bf16 autocast")]
-    return [Finding("ok", "cpu", "no GPU: training runs on the CPU in fp32 (small models and data only)")]
+    flags = set(facts.cpu_flags)
+    precision = "bf16" if cpu_has_fast_bf16(flags) else "fp32"
+    why = "AVX-512-BF16/AMX" if precision == "bf16" else "no AVX-512-BF16 or AMX: bf16 would be emulated"
+    findings = [
+        Finding(
+            "ok",
+            "cpu",
+            f"no GPU: training runs on the CPU in {precision} ({why}; small models and data only)",
+        )
+    ]
+    if not cpu_has_fast_int8(flags, facts.cpu_machine or "unknown"):
+        findings.append(
+            Finding(
+                "warn",
+                "int8",
+                "no int8 dot-product instructions (AVX-512-VNNI, AVX-VNNI, AMX): --int8 is refused here "
+                "(torch's int8 matmul falls back to a kernel far slower than fp32)",
+                "predict and serve in fp32 on this CPU",
+            )
+        )
+    return findings
 
 
 def check_packages(facts: Facts, backend: str) -> list[Finding]:
@@ -341,6 +367,7 @@ def collect_facts() -> Facts:
     except ImportError:
         return facts
     facts.torch, facts.torch_hip, facts.torch_cuda = torch.__version__, torch.version.hip, torch.version.cuda
+    facts.cpu_flags, facts.cpu_machine = sorted(cpu_flags() & CPU_PRECISION_FLAGS), platform.machine()
     facts.mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     if torch.cuda.is_available():
         facts.arch_list = torch.cuda.get_arch_list()

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from loracls.cpu import check_int8_cpu
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder
 from loracls.model import from_pretrained, load_tokenizer
@@ -45,6 +46,8 @@ def export_run(
     does not match) and keep its calibration (`INT8_RANGES`, and the check as `int8` in `loracls.json`), so
     that `Classifier.load(export, int8=True)` and `--int8` only quantise.
     """
+    if int8:
+        check_int8_cpu()
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
     cfg, labels = run.read_config(), run.read_labels()

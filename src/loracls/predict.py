@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls import int8 as int8_module
+from loracls.cpu import check_int8_cpu
 from loracls.data import tokenize
 from loracls.errors import LoraclsError
 from loracls.evaluate import indicator, predict_probs, predicted_labels, rounded
@@ -99,6 +100,8 @@ class Classifier:
         path = Path(path)
         if int8 and device is not None and device.type != "cpu":
             raise LoraclsError(f"--int8 is a CPU inference path; the device here is {device}")
+        if int8:
+            check_int8_cpu()
         if (path / "status.json").is_file():
             if int8:
                 return int8_from_run(path, allow_unfinished)

@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import release_memory
 from accelerate.utils.memory import should_reduce_batch_size
 
+from loracls.cpu import cpu_has_fast_bf16
 from loracls.errors import LoraclsError
 
 CPU_MICRO_BATCH = 16
@@ -34,22 +35,6 @@ OFFLOAD_COST = (
     "is tiny; a smaller micro-batch with gradient accumulation (loracls' default: `--micro-batch-size` unset "
     "finds the largest that fits) or `--gradient-checkpointing` saves memory at a fraction of that cost."
 )
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags the kernel reports (Linux); empty elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
-    """bf16 matmuls in hardware (AVX-512-BF16 or AMX); without them bf16 is emulated, far slower than fp32."""
-    flags = cpu_flags() if flags is None else flags
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def mixed_precision(precision: str, device_type: str | None = None, flags: set[str] | None = None) -> str:

@@ -19,6 +19,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls import checkpoints
 from loracls.config import TrainConfig
+from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits, tokenize, tokenize_responses, truncated_share
 from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
@@ -307,6 +308,9 @@ def make_accelerator(cfg: TrainConfig, run: RunFolder) -> Accelerator:
             "FSDP version 1 is not supported: set `fsdp_version: 2` under `fsdp_config` in the accelerate "
             "config (see configs/accelerate/fsdp-1node.yaml) or FSDP_VERSION=2."
         )
+    slow = emulated_bf16_warning(cfg.precision, accelerator.device.type)
+    if slow:
+        console.print(f"[yellow]{slow}[/]", soft_wrap=True)
     start_tracking(accelerator, cfg, run)
     return accelerator
 
