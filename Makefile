@@ -28,6 +28,6 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 
-# Re-measure every figure the READMEs quote on this commit (about an hour and a half on 2 CPU cores); see benchmarks/README.md
+# Re-measure every figure the READMEs quote on this commit (about five hours on 2 CPU cores); see benchmarks/README.md
 numbers: $(STAMP)
 	$(PY) benchmarks/reproduce.py

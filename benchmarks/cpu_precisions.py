@@ -12,9 +12,10 @@ on the machine it runs on. Baseline: fp32, measured in the same run.
 2. The whole classifier's forward pass on the same `--texts` zh reviews in batches of 8: fp32, bf16
    autocast, and int8 (`loracls.int8.quantize`, calibrated on the same texts: speed only, no accuracy).
 
-    python benchmarks/cpu_precisions.py [--rows 512] [--texts 16]
+    python benchmarks/cpu_precisions.py [--rows 512] [--texts 16] [--out FILE_OR_FOLDER]
 
-Prints the table and writes benchmarks/results/cpu_precisions_<avx512-bf16|avx512-vnni|avx2|...>.json.
+Prints the ratios and writes benchmarks/results/cpu_precisions_<kind>.json, the kind named after the CPU's
+best flag (amx, avx512-bf16, avx512-vnni, avx-vnni, avx2).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512, help="tokens per matmul (a batch of short texts)")
     parser.add_argument("--texts", type=int, default=16, help="zh reviews per forward-pass measurement")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds per matmul shape and precision")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="a file, or a folder for the default name")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -146,8 +147,9 @@ def main() -> None:
         ),
         "other",
     )
+    out = args.out or RESULTS
     write_result(
-        args.out or RESULTS / f"cpu_precisions_{kind}.json",
+        out / f"cpu_precisions_{kind}.json" if out.is_dir() else out,
         {
             "question": "matmul GFLOP/s and classifier texts/s in fp32, bf16 and int8 on this CPU",
             "baseline": "fp32, same shapes and texts, same run",

@@ -35,6 +35,10 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["mfu.py", "--steps", "24", "--out", "{out}/mfu.json"],
         ["mfu.py", "--steps", "2", "--out", "{out}/mfu.json"],
     ),
+    "cpu_precisions": (
+        ["cpu_precisions.py", "--out", "{out}"],
+        ["cpu_precisions.py", "--rows", "16", "--texts", "8", "--budget", "0.05", "--out", "{out}"],
+    ),
     "serve": (
         ["serve.py", "--texts", "256", "--requests", "96", "--out", "{out}/serve.json"],
         ["serve.py", "--texts", "16", "--requests", "8", "--out", "{out}/serve.json"],
