@@ -500,11 +500,11 @@ def serve(
         fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
     if int8 and precision == "bf16":
         fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
-    try:
-        if int8:
+    if int8:
+        try:
             check_int8_cpu()
-    except LoraclsError as e:
-        fail(e)
+        except LoraclsError as e:
+            fail(e)
     slow = emulated_bf16_warning(precision, inference_device().type)
     if slow:
         console.print(f"[yellow]{slow}[/]", soft_wrap=True)
