@@ -189,8 +189,17 @@ def test_a_full_queue_answers_503_with_retry_after(run):
         assert httpx.post(f"{url}/classify", json={"input": TEXTS[:1]}).status_code == 200
 
 
+def arrived_texts(url: str) -> float:
+    """Texts the server has received: waiting in its queue or classified (from /metrics)."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return float(values.get("loracls_queue_texts", 0)) + float(values.get("loracls_texts_total", 0))
+
+
 def test_sigterm_answers_what_is_in_flight_and_exits_0(run, expected):
-    with server(run, "--precision", "fp32", "--max-wait-ms", "500", "--max-batch", "64") as (url, process):
+    with server(run, "--precision", "fp32", "--max-wait-ms", "3000", "--max-batch", "64") as (url, process):
         answers = []
 
         def client(n: int) -> None:
@@ -200,7 +209,12 @@ def test_sigterm_answers_what_is_in_flight_and_exits_0(run, expected):
         threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
         for t in threads:
             t.start()
-        time.sleep(0.2)  # the requests are waiting for the worker's batch to fill
+        sent = sum(len(TEXTS[n % 6 :]) for n in range(8))
+        deadline = time.monotonic() + 60
+        # every request has reached the server (a loaded machine can take seconds to send them); with a batch
+        # of 64 and a 3 s wait they are still queued when the signal comes
+        while arrived_texts(url) < sent and time.monotonic() < deadline:
+            time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
         for t in threads:
             t.join()
