@@ -96,9 +96,7 @@ def main() -> None:
     path = resolve_model(args.model)
     model = load_classifier(path, ["negative", "positive"]).float().eval()
     tokenizer = load_tokenizer(path)
-    shapes = Counter(
-        tuple(m.weight.shape) for name, m in model.named_modules() if name in set(int8.quantized_names(model))
-    )
+    shapes = Counter(tuple(model.get_submodule(name).weight.shape) for name in int8.quantized_names(model))
     matmuls = matmul_gflops(shapes, args.rows, args.budget)
 
     texts = list(read_builtin("zh-reviews").sample(args.texts, random_state=0)["text"])
