@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.loracls-installed
 
-.PHONY: demo test test-fast lint install numbers
+.PHONY: demo test test-fast lint install numbers docs
 
 install: $(STAMP)
 
@@ -31,3 +31,7 @@ lint: $(STAMP)
 # Re-measure every figure the READMEs quote on this commit (about five hours on 2 CPU cores); see benchmarks/README.md
 numbers: $(STAMP)
 	$(PY) benchmarks/reproduce.py
+
+# The user guide (docs/, mkdocs.yml) into site/; --strict: a broken link or a missing page fails
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
