@@ -1,9 +1,11 @@
-"""MkDocs hook: writes two pages that are not kept in docs/.
+"""MkDocs hook: the pages that are built from the code and from the benchmarks, not kept in docs/.
 
 - `reference.md`: every `TrainConfig` key (type, default, the docstring under the field in
   src/loracls/config.py, grouped as `loracls train --help` groups them) and every command of the `loracls`
-  CLI with its arguments and options (read from the typer app in src/loracls/cli.py);
-- `benchmarks.md`: benchmarks/README.md, so that the guide can link to the measured figures.
+  CLI with its arguments and options (read from the typer app in src/loracls/cli.py). docs/reference.md is
+  a stub (what GitHub shows); the built page replaces its text.
+- `benchmarks.md`: benchmarks/README.md, so that the guide can link to the measured figures. The pages link
+  to `../benchmarks/README.md` (which works on GitHub); the links are pointed at this page when built.
 
 The code is imported from this checkout's src/, so the pages describe the code beside them.
 """
@@ -16,14 +18,21 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
+BENCHMARKS_LINK = "../benchmarks/README.md"
+
 
 def on_files(files, config):
     root = Path(config.config_file_path).resolve().parent
     sys.path.insert(0, str(root / "src"))
-    files.append(File.generated(config, "reference.md", content=reference_page()))
     benchmarks = (root / "benchmarks" / "README.md").read_text(encoding="utf-8")
     files.append(File.generated(config, "benchmarks.md", content=benchmarks))
     return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri == "reference.md":
+        return reference_page()
+    return markdown.replace(f"]({BENCHMARKS_LINK}", "](benchmarks.md")
 
 
 def default_text(value) -> str:
@@ -58,10 +67,8 @@ def config_section() -> list[str]:
             f = by_name[name]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             option = "--" + name.replace("_", "-")
-            lines.append(
-                f'- <a id="key-{name}"></a>**`{name}`** (`{option}`; `{f.type}`; default {default_text(default)}): '
-                f"{docs.get(name, '')}"
-            )
+            about = f"`{option}`; `{f.type}`; default {default_text(default)}"
+            lines.append(f'- <a id="key-{name}"></a>**`{name}`** ({about}): {docs.get(name, "")}')
         lines.append("")
     return lines
 
