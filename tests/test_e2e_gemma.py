@@ -18,6 +18,11 @@ from loracls.runs import RunFolder
 
 pytestmark = pytest.mark.slow
 
+# One prompt (the Chinese sentiment template, 负面/正面) scored on a small training sample, instead of every
+# candidate prompt on 128 texts: the search is tested on tiny models
+PINNED_PROMPT = ["--prompt", "zh-sentiment", "--verbalizers", "negative=负面,positive=正面"]
+PINNED_PROMPT += ["--prompt-sample", "16"]
+
 
 def cross_entropy(probs: np.ndarray, gold: list[int]) -> float:
     return float(-np.mean(np.log(probs[np.arange(len(gold)), gold] + 1e-12)))
@@ -38,11 +43,13 @@ def test_gguf_is_converted_once_into_a_standard_folder():
 def test_real_reviews_are_learned_beyond_the_prompt_baseline(tmp_path):
     """320 real reviews, 20 optimizer steps: held-out test accuracy clearly above the zero-shot prompt
     baseline on the same 150 texts (measured 0.83 against 0.52 with 200), the training loss falls, and the
-    export classifies as the run does."""
+    export classifies as the run does. The prompt and the head's start are pinned (the search among prompts
+    and `head_init: auto` are tested on tiny models), and validation runs once, at the last step."""
     out = tmp_path / "run"
     args = ["train", "--model", "gemma3-270m", "--data", "zh-reviews", "--max-train-examples", "320"]
     args += ["--max-eval-examples", "150", "--max-length", "64", "--epochs", "1", "--batch-size", "16"]
-    args += ["--lr", "1e-3", "--min-steps", "0", "--eval-every", "10", "--log-every", "5", "--out", str(out)]
+    args += ["--lr", "1e-3", "--min-steps", "0", "--eval-every", "20", "--log-every", "5", "--out", str(out)]
+    args += [*PINNED_PROMPT, "--head-init", "verbalizer"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
@@ -54,22 +61,15 @@ def test_real_reviews_are_learned_beyond_the_prompt_baseline(tmp_path):
     assert metrics["test"]["n"] == sum(baseline["pred_distribution"].values()) == 150  # the same texts
     assert metrics["test"]["accuracy"] >= baseline["accuracy"] + 0.15, (metrics["test"], baseline["accuracy"])
 
-    # cross-entropy of 48 of the training reviews: base model + fresh head, then the best checkpoint
+    # cross-entropy of 48 of the training reviews under the best checkpoint, against a fresh zero head's
+    # (every class equally likely: ln 2)
     cfg = RunFolder(out).read_config()
     splits = load_splits(cfg)
     train = splits.train.head(48)
     texts, gold = list(train["text"]), [splits.label2id[x] for x in train["label"]]
     trained = Classifier.from_run(str(out))
-    before = Classifier(
-        load_classifier(resolve_model("gemma3-270m"), splits.labels),
-        trained.tokenizer,
-        splits.labels,
-        cfg.max_length,
-    )
-    before.model.config.pad_token_id = trained.tokenizer.pad_token_id
-    loss_before = cross_entropy(before.predict_probs(texts), gold)
     loss_after = cross_entropy(trained.predict_probs(texts), gold)
-    assert loss_after < 0.8 * loss_before, (loss_before, loss_after)
+    assert loss_after < 0.8 * np.log(2), loss_after
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if r["kind"] == "train"]
     assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
@@ -171,7 +171,7 @@ def test_instruction_tuning_with_comments_on_real_reviews(tmp_path):
         "--max-length",
         "64",
     ]
-    args += ["--batch-size", "16", "--eval-every", "20", "--out", out]  # the default 60 steps
+    args += ["--batch-size", "16", "--eval-every", "60", "--out", out, *PINNED_PROMPT]  # the default 60 steps
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
@@ -185,7 +185,7 @@ def test_instruction_tuning_with_comments_on_real_reviews(tmp_path):
     result = CliRunner().invoke(app, ["predict", str(out), *texts, "--generate", "--max-new-tokens", "24"])
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.output.splitlines()]
-    words = dict(pair.split("=") for pair in RunFolder(out).read_config().verbalizers.split(","))
+    words = {"negative": "负面", "positive": "正面"}
     answered = [r["response"].split("\n")[0].strip() == words[r["label"]] for r in records]
     assert sum(answered) >= 3, records  # the label's word first, as trained
 
