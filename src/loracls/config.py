@@ -71,6 +71,10 @@ class TrainConfig(PromptConfig):
     Sigmoid outputs, binary cross-entropy, and a decision threshold per label tuned on validation."""
     label_separator: str = ","
     """Separator between the labels of one row in a CSV/TSV label column (with `multi_label`)."""
+    merge_label_case: bool = False
+    """Merge labels that differ only in case (`Positive`, `positive`) into their commonest spelling. Off:
+    such labels are refused, since they would train as separate classes. Surrounding whitespace is always
+    stripped from labels (RUN/data/notes.json says where)."""
     class_weights: bool = False
     """Weight the loss against class imbalance: inverse class frequency (single-label) or negatives/positives
     per label (multi-label), from the training split."""
@@ -403,6 +407,7 @@ def field_docs() -> dict[str, str]:
 GROUPS = {
     "Model and data": [
         *("model", "data", "val", "test", "text_column", "label_column", "multi_label", "label_separator"),
+        "merge_label_case",
         *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
         *("max_eval_examples", "max_length"),
     ],

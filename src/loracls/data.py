@@ -56,10 +56,15 @@ def load_splits(cfg: TrainConfig) -> Splits:
     def read(source: str | None) -> pd.DataFrame | None:
         if not source:
             return None
-        table = read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg), cfg.response_column)
-        return deduplicate(table, source, cfg.dedup, notes)
+        return read_labelled(
+            source, cfg.text_column, cfg.label_column, separator(cfg), cfg.response_column, notes
+        )
 
-    table, val, test = read(cfg.data), read(cfg.val), read(cfg.test)
+    tables = merge_case_variants([read(cfg.data), read(cfg.val), read(cfg.test)], cfg, notes)
+    table, val, test = (
+        None if t is None else deduplicate(t, source, cfg.dedup, notes)
+        for t, source in zip(tables, (cfg.data, cfg.val, cfg.test), strict=True)
+    )
 
     if test is None:
         table, test = stratified_split(table, cfg.test_fraction, cfg.seed, f"test split of {cfg.data}", notes)
@@ -115,12 +120,14 @@ def read_labelled(
     label_column: str,
     separator: str | None = None,
     response_column: str | None = None,
+    notes: list[str] | None = None,
 ) -> pd.DataFrame:
     """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file.
 
     With `separator` (multi-label), each label becomes a sorted tuple of names: from a JSON list, or from a
     string split at `separator`; an empty cell is an empty tuple (no label applies). With `response_column`,
-    also `response`: that column's text ("" where a row leaves it empty).
+    also `response`: that column's text ("" where a row leaves it empty). Labels lose surrounding
+    whitespace (`" pos"` is `pos`); `notes` gets a line saying which did.
     """
     if source in BUILTIN_DATASETS:
         if response_column is not None:
@@ -134,6 +141,8 @@ def read_labelled(
         return table
     frame = read_table(Path(source))
     table = check_columns(frame, Path(source), text_column, label_column, separator)
+    if separator is None and notes is not None:
+        note_stripped_labels(frame[label_column], source, notes)
     if response_column is not None:
         table["response"] = check_response(frame, Path(source), response_column)
     return table
@@ -280,6 +289,62 @@ def label_set(value: object, separator: str, path: Path, row: int) -> tuple[str,
     if not all(isinstance(x, str | int | float | bool) for x in items):
         raise LoraclsError(f"{path}: labels at data row {row} hold a non-label value: {value!r}")
     return tuple(sorted({label_str(x) for x in items} - {""}))
+
+
+def note_stripped_labels(raw: pd.Series, source: str, notes: list[str]) -> None:
+    """Say which string labels had surrounding whitespace (`label_str` strips it)."""
+    spaced = [v for v in raw if isinstance(v, str) and v != v.strip()]
+    if spaced:
+        names = sorted(set(spaced))
+        notes.append(
+            f"{source}: stripped surrounding whitespace from label(s) {names[:5]} in {len(spaced)} row(s)"
+        )
+
+
+def case_variants(counts: dict[str, int]) -> list[list[str]]:
+    """Groups of label names that differ only in case (`Positive`, `positive`), each sorted."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(counts):
+        groups.setdefault(name.casefold(), []).append(name)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def spellings(group: list[str], counts: dict[str, int]) -> str:
+    return " and ".join(f"{name!r} ({counts[name]} rows)" for name in group)
+
+
+def merge_case_variants(
+    tables: list[pd.DataFrame | None], cfg: TrainConfig, notes: list[str]
+) -> list[pd.DataFrame | None]:
+    """Refuse labels that differ only in case (they would train as separate classes), or with
+    `merge_label_case` rename each to its group's commonest spelling, in every table."""
+    present = [t for t in tables if t is not None]
+    counts: dict[str, int] = {}
+    for table in present:
+        for name, n in label_counts(table["label"], sorted(label_names(table["label"]))).items():
+            counts[name] = counts.get(name, 0) + n
+    groups = case_variants(counts)
+    if not groups:
+        return tables
+    if not cfg.merge_label_case:
+        found = "; ".join(spellings(group, counts) for group in groups)
+        raise LoraclsError(
+            f"{cfg.data}: labels {found} differ only in case and would train as separate classes. Fix the "
+            "labels, or pass --merge-label-case (merge_label_case: true) to merge each into its commonest "
+            "spelling."
+        )
+    rename = {}
+    for group in groups:
+        target = max(group, key=lambda name: (counts[name], name == name.lower()))
+        rename |= {name: target for name in group if name != target}
+        merged = ", ".join(f"{name!r} ({counts[name]} rows)" for name in group if name != target)
+        notes.append(f"merged label {merged} into {target!r} ({counts[target]} rows) (merge_label_case)")
+    for table in present:
+        if is_multi_label(table["label"]):
+            table["label"] = [tuple(sorted({rename.get(x, x) for x in names})) for names in table["label"]]
+        else:
+            table["label"] = [rename.get(x, x) for x in table["label"]]
+    return tables
 
 
 def is_multi_label(labels: pd.Series) -> bool:
@@ -474,12 +539,12 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
     everything else is reported, so a user sees the whole picture before a model loads.
     """
     files = {"data": cfg.data, "val": cfg.val, "test": cfg.test}
+    findings: list[str] = []
     tables = {
-        role: read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg))
+        role: read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg), notes=findings)
         for role, source in files.items()
         if source
     }
-    findings: list[str] = []
     report: dict = {"files": {role: files[role] for role in tables}, "splits": {}}
     for role, table in tables.items():
         counts = label_counts(table["label"], sort_labels(label_names(table["label"])))
@@ -509,6 +574,11 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
             findings.append(f"{role}: label(s) {rare} have under 2 examples: no stratified split possible")
         if len(counts) < 2:
             findings.append(f"{role}: only one label ({list(counts)}); a classifier needs at least 2")
+        for group in case_variants(counts):
+            findings.append(
+                f"{role}: labels {spellings(group, counts)} differ only in case: train refuses them "
+                "unless --merge-label-case merges them"
+            )
         report["splits"][role] = split
     train_texts = set(tables["data"]["text"])
     for role in ("val", "test"):
