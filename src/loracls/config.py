@@ -32,15 +32,17 @@ class PromptConfig:
     """Training examples (a stratified sample) that `prompt: auto` scores each candidate prompt on."""
     baseline_shots: int = 0
     """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
-    verbalizers: str | None = None
-    """The label words, `label=word,...`; default: chosen with the prompt among the label names and, for
-    sentiment labels, word sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese)."""
+    verbalizers: str | dict[str, str] | None = None
+    """The label words: `label=word,...` (for labels without `,` or `=`), or in YAML a mapping of label to
+    word (any label); default: chosen with the prompt among the label names and, for sentiment labels, word
+    sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese). config.yaml stores the mapping."""
     prompt_template: str | None = None
     """An own query block with `{text}`, ending where the answer starts; replaces the template's."""
     prompt_instruction: str | None = None
     """An own first line of the prompt, may use `{options}` (verbalisers in label_order)."""
-    label_order: str | None = None
-    """Order of the labels listed in the prompt, comma-separated; default: label-id order."""
+    label_order: str | list[str] | None = None
+    """Order of the labels listed in the prompt: comma-separated, or in YAML a list (any label); default:
+    label-id order."""
     calibrate: bool = False
     """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
     chat_template: bool | None = None
@@ -365,7 +367,12 @@ def coerce(name: str, value: Any, annotation: Any) -> Any:
         if type(None) in typing.get_args(annotation):
             return None
         raise LoraclsError(f"Config key '{name}' cannot be empty")
-    base = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(value, dict | list) and any(typing.get_origin(a) is type(value) for a in kinds):
+        if isinstance(value, dict):  # label words keyed by label: YAML may read `1: one` as a number
+            return {str(k): str(v) for k, v in value.items()}
+        return [str(v) for v in value]
+    base = kinds[0] if kinds else annotation
     try:
         if base is bool and isinstance(value, str):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
