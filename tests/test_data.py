@@ -293,3 +293,38 @@ def test_inspect_reports_labels_that_differ_only_in_case(tmp_path):
     findings = "\n".join(json.loads(result.stdout)["findings"])
     assert "'Positive' (20 rows) and 'positive' (40 rows) differ only in case" in findings
     assert "surrounding whitespace" in findings
+
+
+def test_integer_labels_come_back_as_integers(tiny_models, tmp_path):
+    """A JSONL file labelled 0/1: predictions came back as the strings "0"/"1". The run pins
+    `label_type: int`; test_predictions.jsonl, eval and predict (JSON lines and CSV) write integers, and train
+    says once that a prompt cannot read such names."""
+    import json
+
+    import yaml
+
+    from tests.conftest import FAST, invoke
+
+    table = toy_reviews(120)
+    table["label"] = [int(x == "positive") for x in table["label"]]
+    data = tmp_path / "ints.jsonl"
+    table.to_json(data, orient="records", lines=True)
+    out = tmp_path / "run"
+    result = invoke("train", "--model", tiny_models["llama"], "--data", data, "--out", out, *FAST)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert said.count("carry no meaning a prompt can read") == 1 and "--verbalizers 0=" in said
+    assert yaml.safe_load((out / "config.yaml").read_text())["label_type"] == "int"
+    records = [json.loads(x) for x in (out / "test_predictions.jsonl").read_text().splitlines()]
+    assert {type(r["gold"]) for r in records} == {int} and {type(r["predicted"]) for r in records} == {int}
+    assert set(records[0]["probabilities"]) == {"0", "1"}  # JSON keys stay strings
+
+    assert invoke("eval", out).exit_code == 0
+    evaluated = [json.loads(x) for x in (out / "eval/test/predictions.jsonl").read_text().splitlines()]
+    assert {type(r["gold"]) for r in evaluated} == {type(r["predicted"]) for r in evaluated} == {int}
+    result = invoke("predict", out, "good story", "awful plot")
+    assert result.exit_code == 0, result.output
+    assert {type(json.loads(x)["label"]) for x in result.stdout.splitlines()} == {int}
+    csv = tmp_path / "predictions.csv"
+    assert invoke("predict", out, "good story", "awful plot", "--output", csv).exit_code == 0
+    assert pd.read_csv(csv)["label"].isin([0, 1]).all()

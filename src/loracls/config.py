@@ -73,6 +73,10 @@ class TrainConfig(PromptConfig):
     Sigmoid outputs, binary cross-entropy, and a decision threshold per label tuned on validation."""
     label_separator: str = ","
     """Separator between the labels of one row in a CSV/TSV label column (with `multi_label`)."""
+    label_type: str = "auto"
+    """The type outputs (predictions, `test_predictions.jsonl`, `eval`) give labels in: `int` or `str`.
+    `auto`: `int` when every training label is an integer (a number, or digits such as `3` or `-1` in a
+    CSV), else `str`. config.yaml stores what was used."""
     merge_label_case: bool = False
     """Merge labels that differ only in case (`Positive`, `positive`) into their commonest spelling. Off:
     such labels are refused, since they would train as separate classes. Surrounding whitespace is always
@@ -247,6 +251,7 @@ class TrainConfig(PromptConfig):
             "keep_checkpoints": self.keep_checkpoints >= 1,
             "skip_nonfinite": self.skip_nonfinite >= 0,
             "dedup": self.dedup in ("drop", "keep", "error"),
+            "label_type": self.label_type in ("auto", "int", "str"),
             "track": self.track in (None, "tensorboard", "mlflow"),
             "quantize": self.quantize in (None, "4bit"),
         }
@@ -328,8 +333,9 @@ def upgrade(values: dict[str, Any]) -> dict[str, Any]:
     """A config written by an earlier version in today's keys, meaning the same run: `batch_size: B` with
     `grad_accum: A` (B per forward pass, A passes per step) is `batch_size: B*A`, `micro_batch_size: B`;
     without `balance_labels` its batches were sorted by length alone (false); without `min_steps` it trained
-    `epochs` alone (0)."""
+    `epochs` alone (0); without `label_type` it wrote labels as strings."""
     values = dict(values)
+    values.setdefault("label_type", "str")
     values.setdefault("balance_labels", False)  # runs written before it sorted by length alone
     values.setdefault("min_steps", 0)
     if "grad_accum" in values:
@@ -414,7 +420,7 @@ def field_docs() -> dict[str, str]:
 GROUPS = {
     "Model and data": [
         *("model", "data", "val", "test", "text_column", "label_column", "multi_label", "label_separator"),
-        "merge_label_case",
+        *("label_type", "merge_label_case"),
         *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
         *("max_eval_examples", "max_length"),
     ],

@@ -43,6 +43,8 @@ class Splits:
     """Class names in label-id order."""
     notes: list[str] = field(default_factory=list)
     """What was removed or sampled on the way, for the user to read."""
+    label_type: str = "str"
+    """`int` or `str`: the type outputs give labels in (`label_value`)."""
 
     @property
     def label2id(self) -> dict[str, int]:
@@ -74,6 +76,14 @@ def load_splits(cfg: TrainConfig) -> Splits:
     labels = sort_labels(label_names(table["label"]))
     if len(labels) < 2:
         raise LoraclsError(f"{cfg.data}: training data has only one class ({labels!r}); need at least 2.")
+    kind = resolve_label_type(labels, cfg)
+    opaque = opaque_labels(labels)
+    if opaque and cfg.verbalizers is None and (cfg.baseline or cfg.prompted or cfg.head_init == "auto"):
+        notes.append(
+            f"labels {opaque} carry no meaning a prompt can read (the baseline and the prompt that can start "
+            "the head see these names as the answers): name each class with --verbalizers "
+            + ",".join(f"{name}=<word>" for name in labels)
+        )
     for name, split in (("validation", val), ("test", test)):
         unseen = sorted(label_names(split["label"]) - set(labels))
         if unseen:
@@ -105,8 +115,46 @@ def load_splits(cfg: TrainConfig) -> Splits:
         val = stratified_sample(val, cfg.max_eval_examples, cfg.seed)
         test = stratified_sample(test, cfg.max_eval_examples, cfg.seed)
     return Splits(
-        train.reset_index(drop=True), val.reset_index(drop=True), test.reset_index(drop=True), labels, notes
+        train.reset_index(drop=True),
+        val.reset_index(drop=True),
+        test.reset_index(drop=True),
+        labels,
+        notes,
+        kind,
     )
+
+
+def is_integer(name: str) -> bool:
+    """`3`, `-1`; not `007` or `1.5` (their integer would not read back as the same label)."""
+    try:
+        return str(int(name)) == name
+    except ValueError:
+        return False
+
+
+def resolve_label_type(labels: list[str], cfg: TrainConfig) -> str:
+    """`cfg.label_type`, with `auto` decided: `int` when every label is an integer."""
+    integers = all(is_integer(name) for name in labels)
+    if cfg.label_type == "int" and not integers:
+        raise LoraclsError(
+            f"label_type int: the labels {[n for n in labels if not is_integer(n)][:5]} are not integers; "
+            "use label_type str (or auto)"
+        )
+    if cfg.label_type == "auto":
+        return "int" if integers else "str"
+    return cfg.label_type
+
+
+def label_value(label: str | tuple | list, label_type: str) -> str | int | list:
+    """A label (or a multi-label row's labels) as outputs write it: an `int` task's labels as integers."""
+    if isinstance(label, tuple | list):
+        return [label_value(name, label_type) for name in label]
+    return int(label) if label_type == "int" else label
+
+
+def opaque_labels(labels: list[str]) -> list[str]:
+    """Label names that mean nothing to a language model: numbers and single characters."""
+    return [name for name in labels if len(name) == 1 or name.lstrip("-").isdigit()]
 
 
 def separator(cfg: TrainConfig) -> str | None:
