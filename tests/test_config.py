@@ -135,3 +135,11 @@ def test_train_help_shows_types_defaults_and_groups():
     assert "<float>" in text and "<int>" in text and "[default: (0.001)]" in text
     assert "[default: (attn-qv)]" in text and "[default: (none)]" in text
     assert sorted(k for keys in GROUPS.values() for k in keys) == sorted(f.name for f in fields(TrainConfig))
+
+
+def test_a_run_written_before_label_type_reads_its_labels_as_strings(tmp_path):
+    old = TrainConfig().to_dict()
+    del old["label_type"]  # runs wrote string labels before the key existed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert RunFolder(tmp_path).read_config().label_type == "str"
+    assert TrainConfig().label_type == "auto"

@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from loracls.config import PromptConfig
@@ -92,8 +93,9 @@ def test_a_run_chooses_its_prompt_on_training_examples_and_pins_it(prompted_run)
         chosen["name"],
         format_verbalizers(chosen["verbalizers"]),
     )
-    config = (run / "config.yaml").read_text()
-    assert f"prompt: {chosen['name']}" in config and "verbalizers: negative=" in config
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["prompt"] == chosen["name"] and config["verbalizers"] == chosen["verbalizers"]
+    assert config["label_order"] == chosen["label_order"]
     assert "prompt: chose" in " ".join(output.split())
     baseline = json.loads((run / "baseline_metrics.json").read_text())
     assert baseline["prompt"]["name"] == chosen["name"]  # the baseline scored the same prompt

@@ -257,7 +257,7 @@ def predict(
         rows = [
             {
                 "text": r["text"],
-                "label": r["label"] if "label" in r else ",".join(r["labels"]),
+                "label": r["label"] if "label" in r else ",".join(map(str, r["labels"])),
                 **{f"p_{k}": v for k, v in r["probabilities"].items()},
                 **({"response": r["response"]} if generate else {}),
             }

@@ -32,15 +32,17 @@ class PromptConfig:
     """Training examples (a stratified sample) that `prompt: auto` scores each candidate prompt on."""
     baseline_shots: int = 0
     """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
-    verbalizers: str | None = None
-    """The label words, `label=word,...`; default: chosen with the prompt among the label names and, for
-    sentiment labels, word sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese)."""
+    verbalizers: str | dict[str, str] | None = None
+    """The label words: `label=word,...` (for labels without `,` or `=`), or in YAML a mapping of label to
+    word (any label); default: chosen with the prompt among the label names and, for sentiment labels, word
+    sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese). config.yaml stores the mapping."""
     prompt_template: str | None = None
     """An own query block with `{text}`, ending where the answer starts; replaces the template's."""
     prompt_instruction: str | None = None
     """An own first line of the prompt, may use `{options}` (verbalisers in label_order)."""
-    label_order: str | None = None
-    """Order of the labels listed in the prompt, comma-separated; default: label-id order."""
+    label_order: str | list[str] | None = None
+    """Order of the labels listed in the prompt: comma-separated, or in YAML a list (any label); default:
+    label-id order."""
     calibrate: bool = False
     """Headline the calibrated baseline (bias measured on content-free inputs, divided out); both are kept."""
     chat_template: bool | None = None
@@ -71,6 +73,14 @@ class TrainConfig(PromptConfig):
     Sigmoid outputs, binary cross-entropy, and a decision threshold per label tuned on validation."""
     label_separator: str = ","
     """Separator between the labels of one row in a CSV/TSV label column (with `multi_label`)."""
+    label_type: str = "auto"
+    """The type outputs (predictions, `test_predictions.jsonl`, `eval`) give labels in: `int` or `str`.
+    `auto`: `int` when every training label is an integer (a number, or digits such as `3` or `-1` in a
+    CSV), else `str`. config.yaml stores what was used."""
+    merge_label_case: bool = False
+    """Merge labels that differ only in case (`Positive`, `positive`) into their commonest spelling. Off:
+    such labels are refused, since they would train as separate classes. Surrounding whitespace is always
+    stripped from labels (RUN/data/notes.json says where)."""
     class_weights: bool = False
     """Weight the loss against class imbalance: inverse class frequency (single-label) or negatives/positives
     per label (multi-label), from the training split."""
@@ -241,6 +251,7 @@ class TrainConfig(PromptConfig):
             "keep_checkpoints": self.keep_checkpoints >= 1,
             "skip_nonfinite": self.skip_nonfinite >= 0,
             "dedup": self.dedup in ("drop", "keep", "error"),
+            "label_type": self.label_type in ("auto", "int", "str"),
             "track": self.track in (None, "tensorboard", "mlflow"),
             "quantize": self.quantize in (None, "4bit"),
         }
@@ -322,8 +333,9 @@ def upgrade(values: dict[str, Any]) -> dict[str, Any]:
     """A config written by an earlier version in today's keys, meaning the same run: `batch_size: B` with
     `grad_accum: A` (B per forward pass, A passes per step) is `batch_size: B*A`, `micro_batch_size: B`;
     without `balance_labels` its batches were sorted by length alone (false); without `min_steps` it trained
-    `epochs` alone (0)."""
+    `epochs` alone (0); without `label_type` it wrote labels as strings."""
     values = dict(values)
+    values.setdefault("label_type", "str")
     values.setdefault("balance_labels", False)  # runs written before it sorted by length alone
     values.setdefault("min_steps", 0)
     if "grad_accum" in values:
@@ -361,7 +373,12 @@ def coerce(name: str, value: Any, annotation: Any) -> Any:
         if type(None) in typing.get_args(annotation):
             return None
         raise LoraclsError(f"Config key '{name}' cannot be empty")
-    base = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(value, dict | list) and any(typing.get_origin(a) is type(value) for a in kinds):
+        if isinstance(value, dict):  # label words keyed by label: YAML may read `1: one` as a number
+            return {str(k): str(v) for k, v in value.items()}
+        return [str(v) for v in value]
+    base = kinds[0] if kinds else annotation
     try:
         if base is bool and isinstance(value, str):
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -403,6 +420,7 @@ def field_docs() -> dict[str, str]:
 GROUPS = {
     "Model and data": [
         *("model", "data", "val", "test", "text_column", "label_column", "multi_label", "label_separator"),
+        *("label_type", "merge_label_case"),
         *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
         *("max_eval_examples", "max_length"),
     ],

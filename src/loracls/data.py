@@ -43,6 +43,8 @@ class Splits:
     """Class names in label-id order."""
     notes: list[str] = field(default_factory=list)
     """What was removed or sampled on the way, for the user to read."""
+    label_type: str = "str"
+    """`int` or `str`: the type outputs give labels in (`label_value`)."""
 
     @property
     def label2id(self) -> dict[str, int]:
@@ -56,10 +58,15 @@ def load_splits(cfg: TrainConfig) -> Splits:
     def read(source: str | None) -> pd.DataFrame | None:
         if not source:
             return None
-        table = read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg), cfg.response_column)
-        return deduplicate(table, source, cfg.dedup, notes)
+        return read_labelled(
+            source, cfg.text_column, cfg.label_column, separator(cfg), cfg.response_column, notes
+        )
 
-    table, val, test = read(cfg.data), read(cfg.val), read(cfg.test)
+    tables = merge_case_variants([read(cfg.data), read(cfg.val), read(cfg.test)], cfg, notes)
+    table, val, test = (
+        None if t is None else deduplicate(t, source, cfg.dedup, notes)
+        for t, source in zip(tables, (cfg.data, cfg.val, cfg.test), strict=True)
+    )
 
     if test is None:
         table, test = stratified_split(table, cfg.test_fraction, cfg.seed, f"test split of {cfg.data}", notes)
@@ -69,6 +76,14 @@ def load_splits(cfg: TrainConfig) -> Splits:
     labels = sort_labels(label_names(table["label"]))
     if len(labels) < 2:
         raise LoraclsError(f"{cfg.data}: training data has only one class ({labels!r}); need at least 2.")
+    kind = resolve_label_type(labels, cfg)
+    opaque = opaque_labels(labels)
+    if opaque and cfg.verbalizers is None and (cfg.baseline or cfg.prompted or cfg.head_init == "auto"):
+        notes.append(
+            f"labels {opaque} carry no meaning a prompt can read (the baseline and the prompt that can start "
+            "the head see these names as the answers): name each class with --verbalizers "
+            + ",".join(f"{name}=<word>" for name in labels)
+        )
     for name, split in (("validation", val), ("test", test)):
         unseen = sorted(label_names(split["label"]) - set(labels))
         if unseen:
@@ -100,8 +115,46 @@ def load_splits(cfg: TrainConfig) -> Splits:
         val = stratified_sample(val, cfg.max_eval_examples, cfg.seed)
         test = stratified_sample(test, cfg.max_eval_examples, cfg.seed)
     return Splits(
-        train.reset_index(drop=True), val.reset_index(drop=True), test.reset_index(drop=True), labels, notes
+        train.reset_index(drop=True),
+        val.reset_index(drop=True),
+        test.reset_index(drop=True),
+        labels,
+        notes,
+        kind,
     )
+
+
+def is_integer(name: str) -> bool:
+    """`3`, `-1`; not `007` or `1.5` (their integer would not read back as the same label)."""
+    try:
+        return str(int(name)) == name
+    except ValueError:
+        return False
+
+
+def resolve_label_type(labels: list[str], cfg: TrainConfig) -> str:
+    """`cfg.label_type`, with `auto` decided: `int` when every label is an integer."""
+    integers = all(is_integer(name) for name in labels)
+    if cfg.label_type == "int" and not integers:
+        raise LoraclsError(
+            f"label_type int: the labels {[n for n in labels if not is_integer(n)][:5]} are not integers; "
+            "use label_type str (or auto)"
+        )
+    if cfg.label_type == "auto":
+        return "int" if integers else "str"
+    return cfg.label_type
+
+
+def label_value(label: str | tuple | list, label_type: str) -> str | int | list:
+    """A label (or a multi-label row's labels) as outputs write it: an `int` task's labels as integers."""
+    if isinstance(label, tuple | list):
+        return [label_value(name, label_type) for name in label]
+    return int(label) if label_type == "int" else label
+
+
+def opaque_labels(labels: list[str]) -> list[str]:
+    """Label names that mean nothing to a language model: numbers and single characters."""
+    return [name for name in labels if len(name) == 1 or name.lstrip("-").isdigit()]
 
 
 def separator(cfg: TrainConfig) -> str | None:
@@ -115,12 +168,14 @@ def read_labelled(
     label_column: str,
     separator: str | None = None,
     response_column: str | None = None,
+    notes: list[str] | None = None,
 ) -> pd.DataFrame:
     """A table with `id`, `text`, `label` from a built-in name or a CSV/JSONL/Parquet file.
 
     With `separator` (multi-label), each label becomes a sorted tuple of names: from a JSON list, or from a
     string split at `separator`; an empty cell is an empty tuple (no label applies). With `response_column`,
-    also `response`: that column's text ("" where a row leaves it empty).
+    also `response`: that column's text ("" where a row leaves it empty). Labels lose surrounding
+    whitespace (`" pos"` is `pos`); `notes` gets a line saying which did.
     """
     if source in BUILTIN_DATASETS:
         if response_column is not None:
@@ -134,6 +189,8 @@ def read_labelled(
         return table
     frame = read_table(Path(source))
     table = check_columns(frame, Path(source), text_column, label_column, separator)
+    if separator is None and notes is not None:
+        note_stripped_labels(frame[label_column], source, notes)
     if response_column is not None:
         table["response"] = check_response(frame, Path(source), response_column)
     return table
@@ -280,6 +337,62 @@ def label_set(value: object, separator: str, path: Path, row: int) -> tuple[str,
     if not all(isinstance(x, str | int | float | bool) for x in items):
         raise LoraclsError(f"{path}: labels at data row {row} hold a non-label value: {value!r}")
     return tuple(sorted({label_str(x) for x in items} - {""}))
+
+
+def note_stripped_labels(raw: pd.Series, source: str, notes: list[str]) -> None:
+    """Say which string labels had surrounding whitespace (`label_str` strips it)."""
+    spaced = [v for v in raw if isinstance(v, str) and v != v.strip()]
+    if spaced:
+        names = sorted(set(spaced))
+        notes.append(
+            f"{source}: stripped surrounding whitespace from label(s) {names[:5]} in {len(spaced)} row(s)"
+        )
+
+
+def case_variants(counts: dict[str, int]) -> list[list[str]]:
+    """Groups of label names that differ only in case (`Positive`, `positive`), each sorted."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(counts):
+        groups.setdefault(name.casefold(), []).append(name)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def spellings(group: list[str], counts: dict[str, int]) -> str:
+    return " and ".join(f"{name!r} ({counts[name]} rows)" for name in group)
+
+
+def merge_case_variants(
+    tables: list[pd.DataFrame | None], cfg: TrainConfig, notes: list[str]
+) -> list[pd.DataFrame | None]:
+    """Refuse labels that differ only in case (they would train as separate classes), or with
+    `merge_label_case` rename each to its group's commonest spelling, in every table."""
+    present = [t for t in tables if t is not None]
+    counts: dict[str, int] = {}
+    for table in present:
+        for name, n in label_counts(table["label"], sorted(label_names(table["label"]))).items():
+            counts[name] = counts.get(name, 0) + n
+    groups = case_variants(counts)
+    if not groups:
+        return tables
+    if not cfg.merge_label_case:
+        found = "; ".join(spellings(group, counts) for group in groups)
+        raise LoraclsError(
+            f"{cfg.data}: labels {found} differ only in case and would train as separate classes. Fix the "
+            "labels, or pass --merge-label-case (merge_label_case: true) to merge each into its commonest "
+            "spelling."
+        )
+    rename = {}
+    for group in groups:
+        target = max(group, key=lambda name: (counts[name], name == name.lower()))
+        rename |= {name: target for name in group if name != target}
+        merged = ", ".join(f"{name!r} ({counts[name]} rows)" for name in group if name != target)
+        notes.append(f"merged label {merged} into {target!r} ({counts[target]} rows) (merge_label_case)")
+    for table in present:
+        if is_multi_label(table["label"]):
+            table["label"] = [tuple(sorted({rename.get(x, x) for x in names})) for names in table["label"]]
+        else:
+            table["label"] = [rename.get(x, x) for x in table["label"]]
+    return tables
 
 
 def is_multi_label(labels: pd.Series) -> bool:
@@ -474,12 +587,12 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
     everything else is reported, so a user sees the whole picture before a model loads.
     """
     files = {"data": cfg.data, "val": cfg.val, "test": cfg.test}
+    findings: list[str] = []
     tables = {
-        role: read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg))
+        role: read_labelled(source, cfg.text_column, cfg.label_column, separator(cfg), notes=findings)
         for role, source in files.items()
         if source
     }
-    findings: list[str] = []
     report: dict = {"files": {role: files[role] for role in tables}, "splits": {}}
     for role, table in tables.items():
         counts = label_counts(table["label"], sort_labels(label_names(table["label"])))
@@ -509,6 +622,11 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
             findings.append(f"{role}: label(s) {rare} have under 2 examples: no stratified split possible")
         if len(counts) < 2:
             findings.append(f"{role}: only one label ({list(counts)}); a classifier needs at least 2")
+        for group in case_variants(counts):
+            findings.append(
+                f"{role}: labels {spellings(group, counts)} differ only in case: train refuses them "
+                "unless --merge-label-case merges them"
+            )
         report["splits"][role] = split
     train_texts = set(tables["data"]["text"])
     for role in ("val", "test"):

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.batching import LengthGroupedBatches
+from loracls.data import label_value
 from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
 
@@ -135,11 +136,13 @@ def write_predictions_jsonl(
     labels: list[str],
     extra: dict[str, np.ndarray] | None = None,
     thresholds: np.ndarray | None = None,
+    label_type: str = "str",
 ) -> None:
     """One JSON object per example: id, text, gold (when known), predicted label and every probability.
 
     With `thresholds` (multi-label), `gold` and `predicted` are lists: every label at or above its threshold.
     `extra` adds further per-label score arrays under their own names (the baseline's log-probabilities).
+    `label_type` `int`: `gold` and `predicted` are integers (the probabilities' keys stay strings).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     predicted = predicted_labels(probs, labels, thresholds)
@@ -147,8 +150,8 @@ def write_predictions_jsonl(
     for i, (row, p) in enumerate(zip(table.itertuples(index=False), probs, strict=True)):
         record = {"id": str(row.id), "text": row.text}
         if "label" in table.columns:
-            record["gold"] = list(row.label) if thresholds is not None else row.label
-        record["predicted"] = predicted[i]
+            record["gold"] = label_value(list(row.label) if thresholds is not None else row.label, label_type)
+        record["predicted"] = label_value(predicted[i], label_type)
         record["probabilities"] = rounded(p, labels)
         for key, values in (extra or {}).items():
             record[key] = rounded(values[i], labels)
@@ -209,6 +212,13 @@ def evaluate_run(
     metrics = score(table, probs, classifier.labels, thresholds)
     out = run.file("eval") / ((Path(data).stem if data else "test") + ("-int8" if int8 else ""))
     out.mkdir(parents=True, exist_ok=True)
-    write_predictions_jsonl(out / "predictions.jsonl", table, probs, classifier.labels, thresholds=thresholds)
+    write_predictions_jsonl(
+        out / "predictions.jsonl",
+        table,
+        probs,
+        classifier.labels,
+        thresholds=thresholds,
+        label_type=classifier.label_type,
+    )
     write_json(out / "metrics.json", metrics)
     return metrics, out

@@ -81,6 +81,7 @@ def export_run(
             {
                 "merged": not adapter_only,
                 "labels": labels,
+                "label_type": cfg.label_type,
                 "max_length": cfg.max_length,
                 "batch_size": eval_batch_size(cfg.micro_batch_size),
                 "text_column": cfg.text_column,

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls import int8 as int8_module
 from loracls.cpu import check_int8_cpu
-from loracls.data import tokenize
+from loracls.data import label_value, tokenize
 from loracls.errors import LoraclsError
 from loracls.evaluate import indicator, predict_probs, predicted_labels, rounded
 from loracls.files import atomic_folder
@@ -85,6 +85,8 @@ class Classifier:
     """How a batch becomes class probabilities; None: the model's classification head."""
     int8: dict | None = None
     """With the decoder's linear layers in int8 (CPU): how it compared with fp32 on the run's test split."""
+    label_type: str = "str"
+    """`int`: `predict` gives labels as integers, as the training data had them (`label_value`)."""
 
     @classmethod
     def load(
@@ -151,6 +153,7 @@ class Classifier:
             run_thresholds(run, labels) if cfg.multi_label else None,
             prompter=prompter,
             objective=LanguageModel.reading(prompter, labels) if cfg.objective == "lm" else None,
+            label_type=cfg.label_type,
         )
 
     @classmethod
@@ -193,6 +196,7 @@ class Classifier:
             info.get("thresholds"),
             prompter=prompter,
             objective=LanguageModel.reading(prompter, info["labels"]) if objective == "lm" else None,
+            label_type=info.get("label_type", "str"),
         )
         if int8:
             classifier.precision, classifier.int8 = "fp32", info["int8"]
@@ -247,7 +251,11 @@ class Classifier:
         key = "label" if self.thresholds is None else "labels"
         predicted = predicted_labels(probs, self.labels, self.thresholds)
         return [
-            {"text": text, key: chosen, "probabilities": rounded(p, self.labels)}
+            {
+                "text": text,
+                key: label_value(chosen, self.label_type),
+                "probabilities": rounded(p, self.labels),
+            }
             for text, chosen, p in zip(texts, predicted, probs, strict=True)
         ]
 

@@ -71,21 +71,39 @@ def detect_language(texts: list[str]) -> str:
     return "zh" if letters and cjk / len(letters) > 0.2 else "en"
 
 
-def parse_verbalizers(spec: str | None, labels: list[str]) -> dict[str, str] | None:
-    """`positive=good,negative=bad` -> {label: word}; every label needs one."""
+def parse_verbalizers(spec: str | dict[str, str] | None, labels: list[str]) -> dict[str, str] | None:
+    """{label: word} from a mapping, or from `positive=good,negative=bad` (what the command line and
+    config.yaml of earlier versions give); every label needs one."""
     if not spec:
         return None
-    pairs = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+    if isinstance(spec, dict):
+        pairs = {str(label): str(word) for label, word in spec.items()}
+    else:
+        pairs = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
     missing = [label for label in labels if label not in pairs]
     if missing or not pairs:
         raise LoraclsError(
-            f"verbalizers {spec!r} must give a word for every label as label=word,...; missing: {missing}"
+            f"verbalizers {spec!r} must give a word for every label (label=word,... or, for labels with `,` "
+            f"or `=`, a YAML mapping in --config); missing: {missing}"
         )
     return {label: pairs[label] for label in labels}
 
 
+def parse_label_order(spec: str | list[str] | None, labels: list[str]) -> list[str]:
+    """The labels in the order a prompt lists them: a list, or comma-separated; default `labels`."""
+    if not spec:
+        return labels
+    order = [str(x) for x in spec] if isinstance(spec, list) else [x.strip() for x in spec.split(",")]
+    if sorted(order) != sorted(labels):
+        raise LoraclsError(
+            f"label_order {order} must list each of the labels {labels} once (comma-separated, or for "
+            "labels with `,` a YAML list in --config)"
+        )
+    return order
+
+
 def format_verbalizers(words: dict[str, str]) -> str:
-    """{label: word} as the `verbalizers` key writes it."""
+    """{label: word} as one line, `label=word,...`, for messages and the candidates' table."""
     return ",".join(f"{label}={word}" for label, word in words.items())
 
 
@@ -125,9 +143,7 @@ def candidate_prompts(labels: list[str], texts: list[str], prompt: PromptConfig)
     """The prompts `prompt` allows: its named template, or (`auto`) every built-in one of the texts'
     language, each with every label-word set that fits, unless `verbalizers`/`prompt_template`/
     `prompt_instruction` fix them. The first is the default when nothing chooses."""
-    order = [x.strip() for x in prompt.label_order.split(",")] if prompt.label_order else labels
-    if sorted(order) != sorted(labels):
-        raise LoraclsError(f"label_order {order} must list each of the labels {labels} once")
+    order = parse_label_order(prompt.label_order, labels)
     language = detect_language(texts)
     if prompt.prompt != "auto":
         if prompt.prompt not in TEMPLATES:
@@ -169,8 +185,8 @@ def pin_prompt(cfg: PromptConfig, chosen: Prompt) -> None:
     """Write `chosen` into `cfg`'s prompt keys, so that `resolve_prompt(labels, [], cfg)` gives it again
     (what a run's config.yaml stores, and eval/predict/export read)."""
     cfg.prompt = chosen.name
-    cfg.verbalizers = format_verbalizers(chosen.words)
-    cfg.label_order = ",".join(chosen.order)
+    cfg.verbalizers = dict(chosen.words)  # a mapping and a list: any string is a label
+    cfg.label_order = list(chosen.order)
 
 
 def verbalizer_tokens(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> dict[str, list[int]]:

@@ -181,7 +181,7 @@ def confidence(prediction: dict) -> float:
     """The predicted label's probability; for a multi-label prediction, the number of labels it got wrong."""
     if isinstance(prediction["predicted"], list):
         return float(len(set(prediction["predicted"]) ^ set(prediction["gold"])))
-    return prediction["probabilities"][prediction["predicted"]]
+    return prediction["probabilities"][str(prediction["predicted"])]  # an int task's labels are ints
 
 
 def flips(run: RunFolder, best: int | None) -> tuple[list[list], list[list]]:

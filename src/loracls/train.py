@@ -131,7 +131,7 @@ def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
         broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
     run = RunFolder.create(out[0], cfg.data, processes.is_main_process)
     processes.wait_for_everyone()  # every process has checked the folder before the main one writes
-    cfg.out = str(run.path)
+    cfg.out, cfg.label_type = str(run.path), splits.label_type
     run.write_config(cfg)
     run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
     if run.main:
@@ -457,5 +457,5 @@ def score_test_split(
     probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective)
     if run.main:
         path = run.file("test_predictions.jsonl")
-        write_predictions_jsonl(path, splits.test, probs, splits.labels, thresholds=thresholds)
+        write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)
     return score(splits.test, probs, splits.labels, thresholds)
