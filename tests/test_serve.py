@@ -63,8 +63,15 @@ def server(path: Path, *options: str, program: tuple[str, ...] = ("-m", "loracls
 
 
 @pytest.fixture(scope="module")
-def run(trained) -> Path:
-    return trained["llama"][0]
+def run(tiny_models, tmp_path_factory) -> Path:
+    """One tiny finished run served by this module's tests (one family: `trained` trains all of them)."""
+    root = tmp_path_factory.mktemp("serve-run")
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    out = root / "llama"
+    result = invoke("train", "--model", tiny_models["llama"], "--data", data, "--out", out, *FAST)
+    assert result.exit_code == 0, result.output
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +310,8 @@ def test_one_unencodable_text_fails_its_own_request_alone(service, expected):
         with httpx.Client(timeout=60) as http:
             for _ in range(12):
                 body = b'{"input": ["good", "\\ud800 bad"]}'
-                refused.append(http.post(f"{url}/classify", content=body))
+                headers = {"content-type": "application/json"}
+                refused.append(http.post(f"{url}/classify", content=body, headers=headers))
 
     threads = [threading.Thread(target=client, args=(w,)) for w in range(16)]
     threads.append(threading.Thread(target=bad_client))
@@ -376,7 +384,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(run):
         )
     output = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in output, output
-    assert "loading" not in output and "ready" not in output
+    assert f"loading {run}" not in output and "ready:" not in output
 
 
 BROKEN_WORKER = """

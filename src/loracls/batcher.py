@@ -2,12 +2,12 @@
 
 The worker takes up to `max_batch` texts, or what arrived within `max_wait_ms` of the first, and answers every
 job with its own results in its own order. No request handler touches the model, so it is never called from
-two threads at once. A failure stays with the job that caused it: each job is tokenised on its own (a text the
-tokenizer refuses fails its job with 422, naming the text); a batch whose forward pass fails is retried job by
-job, so only the culprit fails; a job whose answer cannot be delivered is skipped. Generation (`objective:
-lm`) runs one text at a time between batches, so classification queued behind a long generation is answered
-first. Only a bug in the worker's own loop ends it: then `died` is set, every waiting job is failed with 503,
-and the server stops (see `loracls.serve`).
+two threads at once. A failure stays with the job that caused it: a batch that fails (in the tokenizer or the
+forward pass) is retried job by job, so only the culprit fails (a text the tokenizer refuses: 422, naming the
+text), and a job whose answer cannot be delivered is skipped. Generation (`objective: lm`) runs one text at a
+time between batches, so classification queued behind a long generation is answered first. Only a bug in
+the worker's own loop ends it: then `died` is set, every job it holds or that waits is failed with 503, and
+the server stops (see `loracls.serve`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from datasets import Dataset, concatenate_datasets
+from datasets import Dataset
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from loracls.evaluate import predicted_labels
@@ -47,7 +47,6 @@ class Job:
     """Tokens to generate per text (`objective: lm`); None: classify only."""
     done: Callable[[list[dict] | BaseException], None]
     queued: float = field(default_factory=time.perf_counter)
-    encoded: Dataset | None = None
     records: list[dict] = field(default_factory=list)
     answered: bool = False
 
@@ -191,47 +190,30 @@ class Batcher:
         return batch, False
 
     def answer(self, batch: list[Job]) -> None:
-        """Classify the batch's jobs in one go (retried one by one if that fails); each job gets its records
-        or its own error. Jobs that also generate wait in `generating` for `generate_next`."""
+        """Classify the batch's texts together; if that fails, each job on its own, so that each gets its
+        records or its own error. Jobs that also generate wait in `generating` for `generate_next`."""
         texts = sum(len(job.texts) for job in batch)
         with self.lock:
             self.waiting -= texts
             self.metrics.queue.set(self.waiting)
         self.metrics.batch.observe(texts)
-        encoded = [job for job in batch if self.encode(job)]
         try:
-            results: list[list[dict] | BaseException] = self.classify(encoded)
-        except Exception as e:  # noqa: BLE001 - retried job by job: only the culprit fails
-            results = [e] if len(encoded) == 1 else [self.classify_alone(job) for job in encoded]
+            results: list[list[dict] | BaseException] = self.classify(batch)
+        except Exception:  # noqa: BLE001 - retried job by job: only the culprit fails
+            results = [self.classify_alone(job) for job in batch]
         self.metrics.texts.inc(texts)
-        for job, result in zip(encoded, results, strict=True):
+        for job, result in zip(batch, results, strict=True):
             if job.generate and not isinstance(result, BaseException):
                 job.records = result
                 self.generating.append(job)
             else:
                 self.finish(job, result)
 
-    def encode(self, job: Job) -> bool:
-        """Tokenise the job's texts on their own; a text the tokenizer refuses fails the job (422)."""
-        try:
-            job.encoded = self.classifier.encode(job.texts)
-            return True
-        except Exception:  # noqa: BLE001 - found and named below
-            self.finish(job, self.encoding_error(job))
-            return False
-
-    def encoding_error(self, job: Job) -> ServeError:
-        for n, text in enumerate(job.texts):
-            try:
-                self.classifier.encode([text])
-            except Exception as e:  # noqa: BLE001 - the client's text, answered 422
-                return ServeError(422, f"text {n} cannot be tokenized: {type(e).__name__}: {e}")
-        return ServeError(500, "the texts could not be tokenized together (each one alone could)")
-
-    def classify(self, jobs: list[Job]) -> list[list[dict]]:
-        if not jobs:
-            return []
-        encoded = jobs[0].encoded if len(jobs) == 1 else concatenate_datasets([job.encoded for job in jobs])
+    def classify(self, jobs: list[Job], encoded: Dataset | None = None) -> list[list[dict]]:
+        """Each job's records from one encoding and one forward pass (in passes of the classifier's
+        batch size) over all their texts."""
+        if encoded is None:
+            encoded = self.classifier.encode([text for job in jobs for text in job.texts])
         probs = self.classifier.probs(encoded)
         tokens = [len(ids) for ids in encoded["input_ids"]]  # what the model read, prompt included
         results, start = [], 0
@@ -242,10 +224,23 @@ class Batcher:
         return results
 
     def classify_alone(self, job: Job) -> list[dict] | BaseException:
+        """One job's records, or its own error: a text the tokenizer refuses is named (422)."""
         try:
-            return self.classify([job])[0]
+            encoded = self.classifier.encode(job.texts)
+        except Exception:  # noqa: BLE001 - found and named below
+            return self.encoding_error(job)
+        try:
+            return self.classify([job], encoded)[0]
         except Exception as e:  # noqa: BLE001 - this job's own failure
             return e
+
+    def encoding_error(self, job: Job) -> ServeError:
+        for n, text in enumerate(job.texts):
+            try:
+                self.classifier.encode([text])
+            except Exception as e:  # noqa: BLE001 - the client's text, answered 422
+                return ServeError(422, f"text {n} cannot be tokenized: {type(e).__name__}: {e}")
+        return ServeError(500, "the texts could not be tokenized together (each one alone could)")
 
     def records(self, probs: np.ndarray, tokens: list[int]) -> list[dict]:
         labels, thresholds = self.classifier.labels, self.classifier.thresholds
@@ -280,7 +275,7 @@ class Batcher:
         """Deliver a job's result; a job whose delivery fails is logged and skipped, the worker goes on."""
         if job.answered:
             return
-        job.answered, job.encoded = True, None
+        job.answered = True
         try:
             job.done(result)
         except Exception:  # noqa: BLE001 - that job's client cannot be told; the others can

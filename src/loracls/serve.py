@@ -440,8 +440,8 @@ class DrainingServer:
 
     def run(self, sock: socket.socket) -> None:
         for number in (signal.SIGINT, signal.SIGTERM):
-            # uvicorn raises the signals it caught again once it has stopped, for the handler it found:
-            # after a graceful shutdown the process exits with its code, not killed by the signal
+            # the handler uvicorn puts back once it has stopped: a late signal does not kill a process
+            # that is about to exit with its own code
             signal.signal(number, lambda *_: None)
         self.server.run(sockets=[sock])
 
