@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import yaml
 
 from loracls.predict import Classifier
+from tests.conftest import FAST, invoke, toy_reviews
 
 TEXTS = [
     "good book",
@@ -35,10 +37,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(path: Path, *options: str):
-    """`loracls serve PATH` in a child process, ready; yields (base URL, process); stopped with SIGTERM."""
+def server(path: Path, *options: str, program: tuple[str, ...] = ("-m", "loracls")):
+    """`loracls serve PATH` in a child process, ready; yields (base URL, process); stopped with SIGTERM.
+    `program`: what the interpreter runs instead of `-m loracls` (`-c SCRIPT`, which reads the arguments)."""
     port = free_port()
-    command = [sys.executable, "-m", "loracls", "serve", str(path), "--port", str(port), *options]
+    command = [sys.executable, *program, "serve", str(path), "--port", str(port), *options]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -60,8 +63,15 @@ def server(path: Path, *options: str):
 
 
 @pytest.fixture(scope="module")
-def run(trained) -> Path:
-    return trained["llama"][0]
+def run(tiny_models, tmp_path_factory) -> Path:
+    """One tiny finished run served by this module's tests (one family: `trained` trains all of them)."""
+    root = tmp_path_factory.mktemp("serve-run")
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    out = root / "llama"
+    result = invoke("train", "--model", tiny_models["llama"], "--data", data, "--out", out, *FAST)
+    assert result.exit_code == 0, result.output
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +87,9 @@ def expected(run) -> dict[str, list[float]]:
 @pytest.fixture(scope="module")
 def service(run):
     with server(
-        run, "--precision", "fp32", "--max-texts", "8", "--max-chars", "200", "--max-wait-ms", "20"
-    ) as found:
+        run, "--precision", "fp32", "--max-texts", "8", "--max-chars", "200", "--max-wait-ms", "20",
+        "--body-timeout", "2",
+    ) as found:  # fmt: skip
         yield found
 
 
@@ -104,6 +115,9 @@ def test_answers_equal_the_classifier_in_vllms_shape(service, expected, run):
     )
     info = httpx.get(f"{url}/info").json()
     assert info["labels"] == ["negative", "positive"] and info["objective"] == "head"
+    base = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert Path(base).is_absolute() and info["base_model"] == Path(base).name  # not the server's paths
+    assert str(run.parent) not in json.dumps(info) and str(Path(base).parent) not in json.dumps(info)
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == run.name
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 
@@ -147,6 +161,9 @@ def test_sixteen_concurrent_clients_each_get_their_own_answers_in_order(service,
         (json.dumps({"input": ["a"] * 9}).encode(), 413, "at most 8 (--max-texts)"),
         (json.dumps({"input": ["fine", "x" * 201]}).encode(), 413, "text 1 has 201 characters"),
         (b'{"input": "a", "generate": true}', 422, "objective: lm"),
+        (b'{"input": "caf\xe9"}', 422, "not valid JSON: it is not UTF-8"),  # Latin-1, not UTF-8
+        (b'{"input": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", 422, "nested too deeply"),
+        (b'{"input": ["fine", "\\ud800"]}', 422, "text 1 is not valid Unicode"),
     ],
 )
 def test_bad_requests_get_their_status_and_the_server_answers_afterwards(
@@ -198,9 +215,12 @@ def arrived_texts(url: str) -> float:
     return float(values.get("loracls_queue_texts", 0)) + float(values.get("loracls_texts_total", 0))
 
 
-def test_sigterm_answers_what_is_in_flight_and_exits_0(run, expected):
+def test_sigterm_answers_what_is_in_flight_tells_keep_alive_clients_to_go_and_exits_0(run, expected):
     with server(run, "--precision", "fp32", "--max-wait-ms", "3000", "--max-batch", "64") as (url, process):
         answers = []
+        idle = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=20)
+        idle.sendall(http_request("GET", "/health"))
+        assert read_response(idle, close=False)[0] == 200  # a keep-alive connection, idle at the signal
 
         def client(n: int) -> None:
             response = httpx.post(f"{url}/classify", json={"input": TEXTS[n % 6 :]}, timeout=60)
@@ -216,6 +236,10 @@ def test_sigterm_answers_what_is_in_flight_and_exits_0(run, expected):
         while arrived_texts(url) < sent and time.monotonic() < deadline:
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        idle.sendall(http_request("POST", "/classify", json.dumps({"input": "good"}).encode()))
+        status, headers, body = read_response(idle)  # answered, then closed: not reset
+        assert status == 503 and headers["connection"] == "close" and "shutting down" in body["message"]
         for t in threads:
             t.join()
         assert process.wait(timeout=60) == 0
@@ -238,40 +262,188 @@ def test_an_unfinished_run_is_refused_at_start(tmp_path):
     assert done.returncode == 2 and "status: running" in " ".join((done.stdout + done.stderr).split())
 
 
-class FakeClassifier:
-    """Stands in for `Classifier` inside the batcher: probabilities from the text, a failure on request."""
-
-    labels = ["sports", "politics", "science"]
-    thresholds = [0.5, 0.5, 0.5]
-
-    def encode(self, texts):
-        return {"input_ids": [t.split() for t in texts], "texts": texts}
-
-    def probs(self, encoded):
-        if "boom" in encoded["texts"]:
-            raise RuntimeError("a forward pass failed")
-        return np.array([[0.9 if label in t else 0.1 for label in self.labels] for t in encoded["texts"]])
-
-    def predict_probs(self, texts):
-        return self.probs(self.encode(texts))
+def http_request(method: str, target: str, body: bytes = b"", headers: str = "") -> bytes:
+    """An HTTP/1.1 request as bytes, for the tests that need control of the connection itself."""
+    head = f"{method} {target} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    if "transfer-encoding" not in headers.lower() and "content-length" not in headers.lower():
+        head += f"Content-Length: {len(body)}\r\n"
+    return (head + headers + "\r\n").encode() + body
 
 
-def test_the_batcher_answers_multi_label_sets_and_survives_a_failing_batch():
-    from loracls.serve import Batcher, Job, Metrics, ServeLimits
+def read_response(sock: socket.socket, close: bool = True) -> tuple[int, dict[str, str], dict]:
+    """One response from the socket: (status, headers, JSON body); with `close`, also check that the server
+    then closes the connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed inside the body"
+        body += chunk
+    if close:
+        assert sock.recv(65536) == b"", "the server kept the connection open"
+    return int(lines[0].split()[1]), headers, json.loads(body)
 
-    batcher = Batcher(FakeClassifier, ServeLimits(max_batch=2, max_wait_ms=1), Metrics())
-    batcher.start()
-    assert batcher.ready.wait(10) and batcher.failed is None
-    results: dict[str, object] = {}
-    jobs = {
-        "both": ["sports and politics"],
-        "failing": ["boom"],
-        "after": ["science", "nothing"],
-    }
-    for name, texts in jobs.items():
-        batcher.submit(Job(texts, None, lambda result, name=name: results.__setitem__(name, result)))
-        time.sleep(0.05)  # one batch each
-    batcher.stop()
-    assert results["both"][0]["labels"] == ["sports", "politics"] and results["both"][0]["num_classes"] == 3
-    assert isinstance(results["failing"], RuntimeError)
-    assert [r["labels"] for r in results["after"]] == [["science"], []]
+
+def connect(url: str) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=15)
+
+
+def test_one_unencodable_text_fails_its_own_request_alone(service, expected):
+    """A lone surrogate is valid JSON but no tokenizer reads it: its request gets 422 naming the text, while
+    16 clients sending good texts at the same time all get their answers."""
+    url, _ = service
+    answers, refused = [], []
+
+    def client(worker: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            for n in range(6):
+                texts = [TEXTS[(worker + n) % 6], TEXTS[n % 6]]
+                answers.append((texts, http.post(f"{url}/classify", json={"input": texts})))
+
+    def bad_client() -> None:
+        with httpx.Client(timeout=60) as http:
+            for _ in range(12):
+                body = b'{"input": ["good", "\\ud800 bad"]}'
+                headers = {"content-type": "application/json"}
+                refused.append(http.post(f"{url}/classify", content=body, headers=headers))
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(16)]
+    threads.append(threading.Thread(target=bad_client))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 96 and len(refused) == 12
+    for texts, response in answers:
+        assert response.status_code == 200, response.text
+        np.testing.assert_allclose(
+            [d["probs"] for d in response.json()["data"]], [expected[t] for t in texts], atol=1e-5
+        )
+    for response in refused:
+        assert response.status_code == 422 and "text 1 is not valid Unicode" in response.json()["message"]
+
+
+def test_unknown_routes_and_methods_get_the_error_object(service):
+    url, _ = service
+    for method, route, status in [("GET", "/", 404), ("POST", "/nothing", 404), ("GET", "/classify", 405)]:
+        response = httpx.request(method, f"{url}{route}")
+        body = response.json()
+        assert response.status_code == status and body["object"] == "error" and body["code"] == status, body
+        assert "/classify" in body["message"] and "detail" not in body
+
+
+def test_a_body_over_the_cap_is_refused_before_it_is_read(service):
+    """413 on `Content-Length` alone (the 100 MB are never sent) and, for a chunked body, as soon as it passes
+    the cap (the rest never comes): the server answers without waiting for the body's end."""
+    url, _ = service
+    cap = 8 * (12 * 200 + 64) + 65_536  # ServeLimits.max_body_bytes at --max-texts 8 --max-chars 200
+    with connect(url) as sock:
+        sock.sendall(http_request("POST", "/classify", headers="Content-Length: 100000000\r\n"))
+        status, headers, body = read_response(sock)
+        assert status == 413 and "100000000 bytes" in body["message"] and headers["connection"] == "close"
+    with connect(url) as sock:
+        sock.sendall(http_request("POST", "/classify", headers="Transfer-Encoding: chunked\r\n"))
+        piece = b"x" * 4096
+        for _ in range(cap // len(piece) + 1):  # past the cap, and no final chunk
+            sock.sendall(b"1000\r\n" + piece + b"\r\n")
+        status, headers, body = read_response(sock)
+        assert status == 413 and f"over {cap} bytes" in body["message"] and headers["connection"] == "close"
+    assert httpx.post(f"{url}/classify", json={"input": "good"}).status_code == 200
+
+
+def test_bodies_that_do_not_arrive_get_408_and_their_connections_closed(service):
+    url, _ = service
+    started = time.monotonic()
+    sockets = [connect(url) for _ in range(20)]
+    for sock in sockets:  # 13 bytes of the 100 announced
+        sock.sendall(http_request("POST", "/classify", b'{"input": "go', "Content-Length: 100\r\n"))
+    for sock in sockets:
+        status, headers, body = read_response(sock)  # and closed
+        assert status == 408 and "within 2 s (--body-timeout)" in body["message"]
+        assert headers["connection"] == "close"
+        sock.close()
+    assert time.monotonic() - started < 10
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(run):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "loracls", "serve", str(run), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in output, output
+    assert f"loading {run}" not in output and "ready:" not in output
+
+
+BROKEN_WORKER = """
+import sys, threading
+import prometheus_client
+observe = prometheus_client.Histogram.observe
+
+def broken(self, *args, **kwargs):  # a bug in the worker's own loop, outside any one job
+    if threading.current_thread().name == "loracls-model":
+        raise RuntimeError("a bug in the worker")
+    return observe(self, *args, **kwargs)
+
+prometheus_client.Histogram.observe = broken
+from loracls.cli import app
+app(sys.argv[1:], prog_name="loracls")
+"""
+
+
+def test_a_dead_worker_fails_its_requests_reads_unready_and_exits_1(run):
+    with server(run, program=("-c", BROKEN_WORKER)) as (url, process):
+        response = httpx.post(f"{url}/classify", json={"input": "good"}, timeout=20)
+        assert response.status_code == 503 and "worker stopped" in response.json()["message"], response.text
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503 and "a bug in the worker" in ready.text
+        assert process.wait(timeout=60) == 1
+        assert "a bug in the worker" in process.communicate()[0]
+
+
+@pytest.fixture(scope="module")
+def lm_run(lm_models, tmp_path_factory) -> Path:
+    """A tiny `objective: lm` run (it learns little; generation only has to match `predict --generate`)."""
+    root = tmp_path_factory.mktemp("serve-lm")
+    data = root / "reviews.csv"
+    table = toy_reviews(120)
+    table["comment"] = [f"it says {'good' if y == 'positive' else 'bad'}" for y in table["label"]]
+    table.to_csv(data, index=False)
+    out = root / "run"
+    result = invoke(
+        "train", "--model", lm_models["qwen3"], "--data", data, "--out", out, *FAST, "--objective", "lm",
+        "--response-column", "comment", "--prompt-sample", "20",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_generate_answers_what_predict_generate_says(lm_run):
+    texts = ["good story", "awful plot and bad"]
+    offline = [json.loads(x) for x in invoke("predict", lm_run, *texts, "--generate").output.splitlines()]
+    with server(lm_run) as (url, _):
+        info = httpx.get(f"{url}/info").json()
+        assert info["limits"]["default_new_tokens"] == 64 and info["limits"]["max_new_tokens"] == 256
+        body = httpx.post(f"{url}/classify", json={"input": texts, "generate": True}, timeout=120).json()
+        for record, item in zip(offline, body["data"], strict=True):
+            assert item["response"] == record["response"] and item["label"] == record["label"]
+            np.testing.assert_allclose(item["probs"], list(record["probabilities"].values()), atol=1e-4)
+        for tokens, status in [(0, 422), (257, 422), (1, 200)]:
+            response = httpx.post(
+                f"{url}/classify", json={"input": texts[0], "generate": True, "max_new_tokens": tokens}
+            )
+            assert response.status_code == status, response.text
+            if status == 422:
+                assert f"max_new_tokens must be 1..256, not {tokens}" in response.json()["message"]

@@ -482,6 +482,9 @@ def serve(
         int, typer.Option(help="Characters in one text at most (413 above)", min=1)
     ] = 20_000,
     max_queue: Annotated[int, typer.Option(help="Texts waiting at most (503 above)", min=1)] = 1024,
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds a request's body may take to arrive (408 after)", min=0.1)
+    ] = 10.0,
     precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
@@ -508,7 +511,9 @@ def serve(
     slow = emulated_bf16_warning(precision, inference_device().type)
     if slow:
         console.print(f"[yellow]{slow}[/]", soft_wrap=True)
-    limits = ServeLimits(max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
+    limits = ServeLimits(
+        max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts), body_timeout
+    )
     try:
         code = run_server(path, host, port, limits, precision, allow_unfinished, int8)
     except LoraclsError as e:

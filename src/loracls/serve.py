@@ -1,39 +1,36 @@
 """`loracls serve`: a finished run or an export as an HTTP service (FastAPI on uvicorn) with dynamic batching.
 
-Requests wait in one queue. A single worker thread owns the model: it takes up to `max_batch` texts, or what
-arrived within `max_wait_ms` of the first, runs them sorted by length (in one forward pass on a GPU, in passes
-of `pass_size` on a CPU) and answers every request with its own results in its own order. No request handler
-ever touches the model, so the model is never called from two threads at once, and a failing batch fails its
-requests, not the worker.
+Requests wait in one queue; a single worker thread owns the model and answers them in batches
+(`loracls.batcher`): no request handler touches the model, and a failure stays with the request that caused
+it. This module parses and checks requests before they are queued and formats the answers: every error,
+unknown routes included, is vLLM's error object (`error_body`). A body is capped by size (`Content-Length`
+and while it streams) and by time (`body_timeout`: 408, connection closed). The port is bound before the
+model loads. SIGTERM/SIGINT drain the server: queued requests are answered, new ones get 503 with
+`Connection: close` (keep-alive clients move on instead of finding their connection reset), then it exits 0.
+If the worker dies, `/ready` answers 503 and the process exits 1 so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import signal
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loracls.evaluate import predicted_labels
+from loracls.batcher import Batcher, Job, Metrics, ServeError
+from loracls.errors import LoraclsError
 from loracls.predict import Classifier
 
 
@@ -54,160 +51,29 @@ class ServeLimits:
     """Characters in one text at most (413 above); a text is cut to the run's max_length tokens anyway."""
     max_queue: int = 1024
     """Texts waiting at most; a request that would exceed it is answered 503 with Retry-After."""
+    body_timeout: float = 10.0
+    """Seconds a request's body may take to arrive (408 and the connection closed after)."""
+    default_new_tokens: int = 64
+    """Tokens a `generate` request without `max_new_tokens` gets (`loracls predict --generate`'s default)."""
     max_new_tokens: int = 256
     """The most tokens a `generate` request may ask for (`objective: lm` models)."""
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body a request within `max_texts` and `max_chars` can need: 12 bytes a character
+        (a character outside the BMP written as two \\u escapes), a little per text and for the rest."""
+        return self.max_texts * (12 * self.max_chars + 64) + 65_536
+
+
+DRAIN_LINGER = 1.0
+"""Seconds a draining server keeps answering new requests with 503 + `Connection: close` at least, so that a
+keep-alive client sending just after the signal is told to go, not reset."""
 
 CPU_PASS = 8
 """Texts per forward pass on a CPU. A CPU computes padding as it computes text and gains nothing from wider
 passes: on this project's 2-core machine (benchmarks/README.md, serve) 256 real reviews ran at 37 texts/s
 length-sorted in passes of 8 against 24 in passes of 32, and groups of 16 arriving texts at 28 texts/s in
 sorted passes of 4 against 15 in one padded pass."""
-
-
-class ServeError(Exception):
-    """A request refused with `status` and a message the client reads."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
-
-
-@dataclass
-class Job:
-    """One request's texts, waiting for the worker; `done` is called (on the event loop) with the results."""
-
-    texts: list[str]
-    generate: int | None
-    done: Callable[[list[dict] | BaseException], None]
-    queued: float = field(default_factory=time.perf_counter)
-
-
-class Metrics:
-    """The Prometheus metrics of one server, in their own registry."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "loracls_requests",
-            "Requests by endpoint and status",
-            ["endpoint", "status"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "loracls_request_seconds", "Request latency by endpoint", ["endpoint"], registry=self.registry
-        )
-        buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-        self.batch = Histogram(
-            "loracls_batch_texts", "Texts per forward pass", buckets=buckets, registry=self.registry
-        )
-        self.queue = Gauge("loracls_queue_texts", "Texts waiting for the worker", registry=self.registry)
-        self.texts = Counter("loracls_texts", "Texts classified", registry=self.registry)
-
-
-class Batcher:
-    """The queue and the one worker thread that owns the classifier (see the module docstring)."""
-
-    def __init__(self, load: Callable[[], Classifier], limits: ServeLimits, metrics: Metrics):
-        self.load, self.limits, self.metrics = load, limits, metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.waiting = 0  # texts queued, under `lock`
-        self.lock = threading.Lock()
-        self.classifier: Classifier | None = None
-        self.ready = threading.Event()
-        self.failed: BaseException | None = None
-        self.thread = threading.Thread(target=self.run, name="loracls-model", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self.lock:
-            if self.waiting + len(job.texts) > self.limits.max_queue:
-                raise ServeError(503, "the queue is full; retry shortly", {"Retry-After": "1"})
-            self.waiting += len(job.texts)
-            self.metrics.queue.set(self.waiting)
-        self.jobs.put(job)
-
-    def stop(self) -> None:
-        """Answer everything queued, then end the worker."""
-        self.jobs.put(None)
-        self.thread.join()
-
-    def run(self) -> None:
-        try:
-            self.classifier = self.load()
-            self.classifier.predict_probs(["warm-up"])  # the first pass pays for lazy initialisation
-        except BaseException as e:  # noqa: BLE001 - reported by /ready and the CLI
-            self.failed = e
-            self.ready.set()
-            return
-        self.ready.set()
-        carried: Job | None = None
-        while True:
-            first = carried or self.jobs.get()
-            carried = None
-            if first is None:
-                return
-            batch, size = [first], len(first.texts)
-            deadline = time.perf_counter() + self.limits.max_wait_ms / 1000
-            stopping = False
-            while size < self.limits.max_batch:
-                try:
-                    job = self.jobs.get(timeout=max(deadline - time.perf_counter(), 0))
-                except queue.Empty:
-                    break
-                if job is None:
-                    stopping = True
-                    break
-                if size + len(job.texts) > self.limits.max_batch:
-                    carried = job  # starts the next batch
-                    break
-                batch.append(job)
-                size += len(job.texts)
-            self.answer(batch)
-            if stopping:
-                self.jobs.put(None)
-
-    def answer(self, batch: list[Job]) -> None:
-        """One forward pass over the batch's texts; each job gets its slice, or the error."""
-        texts = [text for job in batch for text in job.texts]
-        with self.lock:
-            self.waiting -= len(texts)
-            self.metrics.queue.set(self.waiting)
-        self.metrics.batch.observe(len(texts))
-        try:
-            encoded = self.classifier.encode(texts)
-            probs = self.classifier.probs(encoded)
-            tokens = [len(ids) for ids in encoded["input_ids"]]  # what the model read, prompt included
-            results, start = [], 0
-            for job in batch:
-                end = start + len(job.texts)
-                records = self.records(job, probs[start:end], tokens[start:end])
-                results.append(records)
-                start = end
-        except Exception as e:  # noqa: BLE001 - the batch's requests fail, the worker stays
-            results = [e] * len(batch)
-        self.metrics.texts.inc(len(texts))
-        for job, result in zip(batch, results, strict=True):
-            job.done(result)
-
-    def records(self, job: Job, probs: np.ndarray, tokens: list[int]) -> list[dict]:
-        classifier = self.classifier
-        labels = classifier.labels
-        top = [labels[i] for i in probs.argmax(1)]
-        chosen = predicted_labels(probs, labels, classifier.thresholds)
-        responses = classifier.generate(job.texts, job.generate) if job.generate else None
-        out = []
-        for n, p in enumerate(probs):
-            record = {"label": top[n], "probs": [float(x) for x in p], "num_classes": len(labels)}
-            if classifier.thresholds is not None:
-                record["labels"] = chosen[n]
-            if responses is not None:
-                record["response"] = responses[n]
-            record["prompt_tokens"] = tokens[n]
-            out.append(record)
-        return out
 
 
 class ClassifyRequest(BaseModel):
@@ -228,16 +94,103 @@ class PredictRequest(BaseModel):
     inputs: str | list[str]
 
 
+ERROR_TYPES = {
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    408: "RequestTimeout",
+    413: "RequestTooLarge",
+    422: "BadRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailable",
+}
+
+ROUTES = "POST /classify, /v1/classify, /predict; GET /health, /ready, /metrics, /v1/models, /info"
+
+
 def error_body(status: int, message: str) -> dict:
     """The error shape of vLLM's OpenAI-compatible server."""
-    kind = {413: "RequestTooLarge", 422: "BadRequestError", 503: "ServiceUnavailable"}.get(status, "Error")
+    kind = ERROR_TYPES.get(status, "Error")
     return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
 
 
-def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, info: dict) -> FastAPI:
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyGuard:
+    """ASGI middleware in front of the app: while draining (or after the worker died) every request gets 503
+    with `Connection: close`; a body over `max_body_bytes` gets 413 before it is read (by `Content-Length`) or
+    as soon as it streams past the cap; a body not complete within `body_timeout` seconds gets 408. Both close
+    the connection. The body read here is handed to the app as it came."""
+
+    def __init__(self, app, limits: ServeLimits, batcher: Batcher):
+        self.app, self.limits, self.batcher = app, limits, batcher
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.batcher.closed:
+            return await refuse(scope, receive, send, 503, self.batcher.closed_reason())
+        cap = self.limits.max_body_bytes
+        too_large = f"at most {cap} bytes (--max-texts x --max-chars)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > cap:
+            return await refuse(scope, receive, send, 413, f"the body has {int(length)} bytes; {too_large}")
+        try:
+            body = await asyncio.wait_for(read_body(receive, cap), self.limits.body_timeout)
+        except BodyTooLarge:
+            return await refuse(scope, receive, send, 413, f"the body is over {cap} bytes; {too_large}")
+        except asyncio.TimeoutError:
+            late = f"the request body did not arrive within {self.limits.body_timeout:g} s (--body-timeout)"
+            return await refuse(scope, receive, send, 408, late)
+        if body is None:  # the client went away
+            return None
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
+async def read_body(receive, cap: int) -> bytes | None:
+    """The whole body, or None if the client disconnected; `BodyTooLarge` once it passes `cap` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def refuse(scope, receive, send, status: int, message: str) -> None:
+    response = JSONResponse(error_body(status, message), status, headers={"Connection": "close"})
+    await response(scope, receive, send)
+
+
+def unreadable_body(cause: BaseException | None) -> str:
+    """Why FastAPI could not parse a body that the JSON decoder did not reject as such."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "the request body is not valid JSON: it is not UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON here: it is nested too deeply"
+    return f"the request body is not valid JSON ({type(cause).__name__})"
+
+
+def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -> FastAPI:
     """The FastAPI application serving the classifier that `load` returns; `info` describes it."""
     metrics = Metrics()
-    batcher = Batcher(load, limits, metrics)
+    batcher = Batcher(load, metrics, limits.max_batch, limits.max_wait_ms, limits.max_queue)
 
     async def lifespan(app: FastAPI):
         batcher.start()
@@ -246,6 +199,7 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
 
     app = FastAPI(title="loracls", lifespan=lifespan)
     app.state.batcher = batcher
+    app.add_middleware(BodyGuard, limits=limits, batcher=batcher)
 
     @app.middleware("http")
     async def count(request: Request, call_next):
@@ -259,6 +213,17 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
     @app.exception_handler(ServeError)
     async def refused(request: Request, error: ServeError) -> JSONResponse:
         return JSONResponse(error_body(error.status, error.message), error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        status, message = error.status_code, str(error.detail)
+        if status == 400:  # FastAPI's "There was an error parsing the body"
+            status, message = 422, unreadable_body(error.__cause__)
+        elif status == 404:
+            message = f"no route {request.url.path}; the routes are {ROUTES}"
+        elif status == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; the routes are {ROUTES}"
+        return JSONResponse(error_body(status, message), status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -275,18 +240,7 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
             raise ServeError(503, f"the model failed to load: {batcher.failed}")
         if not batcher.ready.is_set():
             raise ServeError(503, "the model is loading; retry shortly", {"Retry-After": "5"})
-        if not texts:
-            raise ServeError(422, "input is an empty list; give at least one text")
-        if len(texts) > limits.max_texts:
-            raise ServeError(
-                413, f"{len(texts)} texts in one request; at most {limits.max_texts} (--max-texts)"
-            )
-        long = next((i for i, t in enumerate(texts) if len(t) > limits.max_chars), None)
-        if long is not None:
-            raise ServeError(
-                413,
-                f"text {long} has {len(texts[long])} characters; at most {limits.max_chars} (--max-chars)",
-            )
+        check_texts(texts, limits)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -306,7 +260,7 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
             return await future
         except ServeError:
             raise
-        except Exception as e:  # noqa: BLE001 - a failed batch: this request gets a 500 with the reason
+        except Exception as e:  # noqa: BLE001 - this request failed: a 500 with the reason
             raise ServeError(500, f"classification failed: {type(e).__name__}: {e}") from None
 
     @app.post("/classify")
@@ -319,9 +273,14 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
                 raise ServeError(
                     422, "generate needs a model trained with objective: lm (this one has a head)"
                 )
-            generate = body.max_new_tokens or 64
+            asked = body.max_new_tokens
+            generate = limits.default_new_tokens if asked is None else asked
             if not 1 <= generate <= limits.max_new_tokens:
-                raise ServeError(422, f"max_new_tokens must be 1..{limits.max_new_tokens}")
+                raise ServeError(
+                    422,
+                    f"max_new_tokens must be 1..{limits.max_new_tokens}, not {generate} "
+                    f"(left out: {limits.default_new_tokens})",
+                )
         records = await classify_texts(texts, generate)
         tokens = sum(r.pop("prompt_tokens") for r in records)
         return {
@@ -359,6 +318,8 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
     async def ready() -> JSONResponse:
         if batcher.failed is not None:
             return JSONResponse({"status": "failed", "error": str(batcher.failed)}, 503)
+        if batcher.died is not None:
+            return JSONResponse({"status": "failed", "error": batcher.closed_reason()}, 503)
         if not batcher.ready.is_set():
             return JSONResponse({"status": "loading"}, 503)
         return JSONResponse({"status": "ready"})
@@ -374,9 +335,29 @@ def build_app(path: Path, load: Callable[[], Classifier], limits: ServeLimits, i
 
     @app.get("/info")
     async def describe() -> dict:
-        return {**info, "path": str(path), "limits": limits.__dict__}
+        return {**info, "limits": limits.__dict__}
 
     return app
+
+
+def check_texts(texts: list[str], limits: ServeLimits) -> None:
+    """Refuse a request's texts before they are queued: none, too many, too long, not encodable as UTF-8
+    (a lone surrogate such as "\\ud800" is valid JSON but no tokenizer reads it)."""
+    if not texts:
+        raise ServeError(422, "input is an empty list; give at least one text")
+    if len(texts) > limits.max_texts:
+        raise ServeError(413, f"{len(texts)} texts in one request; at most {limits.max_texts} (--max-texts)")
+    for n, text in enumerate(texts):
+        if len(text) > limits.max_chars:
+            raise ServeError(
+                413, f"text {n} has {len(text)} characters; at most {limits.max_chars} (--max-chars)"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ServeError(
+                422, f"text {n} is not valid Unicode: a lone surrogate at character {e.start}"
+            ) from None
 
 
 def describe_model(path: Path, allow_unfinished: bool = False) -> dict:
@@ -395,17 +376,74 @@ def describe_model(path: Path, allow_unfinished: bool = False) -> dict:
         labels, base = export["labels"], export["base_model"]
         objective, multi = export.get("objective", "head"), export.get("thresholds") is not None
     else:
-        from loracls.errors import LoraclsError
-
         raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
     return {
         "name": path.resolve().name,
         "labels": labels,
-        "base_model": base,
+        "base_model": model_name(base),
         "objective": objective,
         "multi_label": multi,
         "created": int(path.stat().st_mtime),
     }
+
+
+def model_name(model: str) -> str:
+    """A base model as the service shows it: a Hub id as it is, a local folder by its name alone (a client
+    has no business with the server's filesystem)."""
+    local = Path(model).expanduser()
+    return local.name if local.is_absolute() or local.exists() else model
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use is refused at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise LoraclsError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; free the port or pick another (--port)"
+        ) from None
+    return sock
+
+
+class DrainingServer:
+    """uvicorn's server with a drain in front of its shutdown (see the module docstring): the first
+    SIGINT/SIGTERM closes the queue, the worker answers what is queued, new requests get 503 with
+    `Connection: close` for `DRAIN_LINGER` s at least, then uvicorn stops; a second signal stops it now."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        import uvicorn
+
+        self.batcher: Batcher = app.state.batcher
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server.handle_exit = self.handle_exit
+        self.draining = threading.Lock()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.drain():
+            self.server.should_exit = True
+
+    def drain(self) -> bool:
+        """Start draining in a thread; False when a drain had started already."""
+        if not self.draining.acquire(blocking=False):
+            return False
+        threading.Thread(target=self.run_drain, name="loracls-drain", daemon=True).start()
+        return True
+
+    def run_drain(self) -> None:
+        started = time.monotonic()
+        self.batcher.stop()
+        time.sleep(max(started + DRAIN_LINGER - time.monotonic(), 0))
+        self.server.should_exit = True
+
+    def run(self, sock: socket.socket) -> None:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            # the handler uvicorn puts back once it has stopped: a late signal does not kill a process
+            # that is about to exit with its own code
+            signal.signal(number, lambda *_: None)
+        self.server.run(sockets=[sock])
 
 
 def serve(
@@ -418,13 +456,13 @@ def serve(
     int8: bool = False,
 ) -> int:
     """Run the service until SIGINT/SIGTERM (queued requests are answered first); returns the exit code:
-    0, or 1 when the model failed to load."""
-    import uvicorn
-
+    0, or 1 when the model failed to load or the worker died. A port in use is refused before the model
+    loads (`LoraclsError`)."""
     from loracls.output import console
 
     path = Path(path)
     info = describe_model(path, allow_unfinished) | {"int8": None}
+    sock = bind(host, port)
 
     def load() -> Classifier:
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
@@ -436,23 +474,26 @@ def serve(
         classifier.batch_size = limits.pass_size or (limits.max_batch if on_gpu else CPU_PASS)
         return classifier
 
-    app = build_app(path, load, limits, info)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    batcher: Batcher = app.state.batcher
+    server = DrainingServer(build_app(load, limits, info), host, port)
+    batcher = server.batcher
 
     def watch() -> None:
         batcher.ready.wait()
         if batcher.failed is not None:
             console.print(f"[red]The model failed to load: {batcher.failed}[/]")
-            server.should_exit = True
-        else:
-            console.print(f"ready: {info['name']} ({', '.join(info['labels'])}) on http://{host}:{port}")
+            server.server.should_exit = True
+            return
+        while not server.server.started:
+            if server.server.should_exit:
+                return
+            time.sleep(0.05)
+        console.print(f"ready: {info['name']} ({', '.join(info['labels'])}) on http://{host}:{port}")
+        batcher.thread.join()
+        if batcher.died is not None:
+            console.print(f"[red]{batcher.closed_reason()}: exiting 1 for a supervisor to restart it[/]")
+            server.drain()
 
     threading.Thread(target=watch, daemon=True).start()
     console.print(f"loading {path} ...")
-    for number in (signal.SIGINT, signal.SIGTERM):
-        # uvicorn shuts down gracefully on these, then raises the signal again for the handler it found:
-        # after a graceful shutdown the process exits 0, not killed by the signal
-        signal.signal(number, lambda *_: None)
-    server.run()
-    return 1 if batcher.failed is not None else 0
+    server.run(sock)
+    return 1 if batcher.failed is not None or batcher.died is not None else 0
