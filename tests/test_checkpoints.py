@@ -169,9 +169,8 @@ def test_a_checkpoint_that_fills_the_disk_leaves_no_tmp_and_says_so(finished, ti
         out.mkdir()
         (out / "checkpoints").symlink_to(disk)
         # the first checkpoints fit; a filler leaves less than one more needs
-        checkpoint = sum(
-            f.stat().st_size for f in (run / "checkpoints/step_000048").rglob("*") if f.is_file()
-        )
+        files = [f for f in (run / "checkpoints/step_000048").rglob("*") if f.is_file()]
+        checkpoint = sum(-(-f.stat().st_size // 4096) * 4096 for f in files)  # in whole pages, as tmpfs
         free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
         (disk / "filler").write_bytes(b"\0" * (free - int(2.5 * checkpoint)))
         options = with_values(KEEP_THREE, {"--eval-every": "100", "--keep-checkpoints": "5"})
