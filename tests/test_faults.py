@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import LlamaForSequenceClassification
 
 from loracls import checkpoints
-from tests.conftest import invoke
+from tests.conftest import invoke, toy_reviews
 
 # 96 training examples, micro-batch 4, 2 accumulated: 12 optimizer steps per epoch, 48 in all; LoRA dropout
 # is on, so an exact resume needs the RNG state as well as the weights, optimizer and data position
@@ -278,3 +279,65 @@ def test_fp16_scaler_steps_past_a_nan_loss(monkeypatch, tiny_models, toy_csv, tm
     assert len(scalers) == 1 and scalers[0].get_scale() < 2.0**16
     weights = load_file(out / "best/adapter_model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+# --- resume: a resume at the final step, and a DDP resume in the middle of a log window ---
+
+
+def test_a_resume_at_the_final_step_prunes_as_a_normal_end_does(reference, tiny_models, tmp_path):
+    """Killed after the last checkpoint (during the test), with every checkpoint kept, and `keep_checkpoints`
+    lowered to 2 in config.yaml (it does not change training): the resume trains no step and still keeps
+    only the last two and the best."""
+    run, data = reference
+    out = tmp_path / "killed"
+    stop_mid_run(tiny_models["llama"], data, out, 48, signal.SIGKILL, "--keep-checkpoints", "20").wait()
+    assert not (out / "metrics.json").exists() and len(checkpoints.complete(out)) > 3
+    config = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(config.replace("keep_checkpoints: 20", "keep_checkpoints: 2"))
+
+    result = invoke("train", "--resume", out)
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in checkpoints.complete(out)] == [p.name for p in checkpoints.complete(run)]
+    assert outputs(out) == outputs(run)
+
+
+def test_ddp_resume_in_the_middle_of_a_log_window_logs_the_uninterrupted_loss(tiny_models, tmp_path):
+    """Two processes, a log window of 3 steps and a checkpoint at step 8, inside the window 7-9: the
+    resumed run logs the loss of step 9 as the uninterrupted one did (each process's share of the window,
+    not rank 0's twice). The same run resumed by one process is refused: the effective batch would halve."""
+    from tests.test_distributed import COMMON, launcher, read_log
+
+    data = tmp_path / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    options = list(COMMON)
+    options[options.index("--log-every") + 1] = "3"
+    torchrun = [launcher("torchrun"), "--nproc_per_node", "2", "-m", "loracls", "train"]
+    multi = tmp_path / "multi"
+    command = [*torchrun, "--model", str(tiny_models["llama"]), "--data", str(data), "--out", str(multi)]
+    command += ["--batch-size", "8", *options, "--keep-checkpoints", "10"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (multi / "checkpoints/step_000008").is_dir()
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(multi, resumed)
+    for folder in checkpoints.complete(resumed):
+        if int(folder.name[5:]) > 8:
+            shutil.rmtree(folder)
+    (resumed / "status.json").write_text(json.dumps({"state": "interrupted"}))
+
+    result = invoke("train", "--resume", resumed)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "processes: 2 trained step_000008, 1 resumes it" in " ".join(result.output.split())
+
+    done = subprocess.run([*torchrun, "--resume", str(resumed)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, theirs = read_log(resumed), read_log(multi)
+    assert [(r["kind"], r["step"]) for r in ours] == [(r["kind"], r["step"]) for r in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        for key in ("loss", "val_accuracy"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-6), (a, b)
+    metrics = [json.loads((r / "metrics.json").read_text()) for r in (resumed, multi)]
+    assert metrics[0]["train"]["examples_seen"] == metrics[1]["train"]["examples_seen"] == 192
+    assert metrics[0]["test"] == metrics[1]["test"]

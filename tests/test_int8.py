@@ -2,6 +2,7 @@
 export and serve."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -156,3 +157,30 @@ def test_serve_int8_answers_as_predict_int8_and_says_how_it_compared(run):
     for d, r in zip(data, expected, strict=True):
         probs = dict(zip(info["labels"], d["probs"], strict=True))
         assert max(abs(p - r["probabilities"][k]) for k, p in probs.items()) < 1e-4
+
+
+def test_a_stored_int8_check_is_measured_again_when_what_it_depends_on_changes(run, tmp_path, monkeypatch):
+    """RUN/int8/ holds for one base model's weights, torch build, recipe and adapter: a re-converted base
+    model (its weight files rewritten) or another torch measures again instead of reusing a "passed"."""
+    import yaml
+
+    base = shutil.copytree(yaml.safe_load((run / "config.yaml").read_text())["model"], tmp_path / "base")
+    config = yaml.safe_load((run / "config.yaml").read_text()) | {"model": str(base)}
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    first = predictions(run, "--int8")
+
+    def measured_again() -> bool:
+        stamp = (run / "int8" / "parity.json").stat().st_mtime_ns
+        assert predictions(run, "--int8") == first
+        return (run / "int8" / "parity.json").stat().st_mtime_ns != stamp
+
+    assert not measured_again()
+    weights = base / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # converted again: the same bytes, a new file
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert measured_again()
+    assert not measured_again()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".post1")
+    assert measured_again()
+    check = json.loads((run / "int8" / "parity.json").read_text())
+    assert check["torch"] == torch.__version__ and check["base_model"]["files"]["model.safetensors"]

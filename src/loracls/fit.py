@@ -102,6 +102,8 @@ def fit(
     checkpoints.register_adapter_hooks(accelerator, model)
     describe_shards(model, accelerator)
     state = start_state(total_steps, accelerator, tokenizer, run, resume)
+    # what every checkpoint was trained with, for a resume to compare (config.yaml is final by now)
+    fingerprint = checkpoints.fingerprint(cfg, run.path, accelerator.num_processes) if run.main else None
     console.print(
         f"{len(train_set)} training examples, {steps_per_epoch} optimizer steps per epoch, "
         f"{total_steps} in all (warm-up {warmup}), batch {cfg.batch_size} = {accum} x "
@@ -166,12 +168,14 @@ def fit(
                             progress,
                         )
                 with clock.paused():
-                    checkpoint_or_stop(accelerator, state, cfg, run, stop, improved)
+                    checkpoint_or_stop(accelerator, state, cfg, run, stop, improved, fingerprint)
                 if state.step >= state.total_steps:
                     break
             else:
                 state.epoch += 1
                 state.batches_in_epoch = 0
+    if run.main:  # a resume at the last step writes no checkpoint, and prunes as one does
+        checkpoints.prune(run.path, cfg.keep_checkpoints, state.best_step)
     wall = time.perf_counter() - start
     return FitResult(
         state.best_step, state.best_val, state.step, state.examples, state.tokens, state.train_s, wall
@@ -339,14 +343,15 @@ def checkpoint_or_stop(
     run: RunFolder,
     stop: StopSignals,
     improved: bool,
+    fingerprint: dict | None,
 ) -> None:
-    """Write a checkpoint at a new best, every `save_every` steps, at the end and when a signal asks to
-    stop (in any process); after a signal's checkpoint, stop."""
+    """Write a checkpoint (with `fingerprint`, what it is trained with) at a new best, every `save_every`
+    steps, at the end and when a signal asks to stop (in any process); after a signal's checkpoint, stop."""
     if agree(accelerator, stop.signal is not None) and stop.signal is None:
         stop.signal = "a signal to another process"
     if not (improved or state.step % cfg.save_every == 0 or state.step >= state.total_steps or stop.signal):
         return
-    folder = checkpoints.save(accelerator, state, run.path, cfg.keep_checkpoints)
+    folder = checkpoints.save(accelerator, state, run.path, cfg.keep_checkpoints, fingerprint)
     if stop.signal:
         raise Interrupted(
             f"{stop.signal}: stopped after optimizer step {state.step} of {state.total_steps}; "

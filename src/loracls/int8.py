@@ -14,7 +14,10 @@ the labels changed, with them in float 0.8%.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -140,6 +143,45 @@ def parity(reference: np.ndarray, candidate: np.ndarray, gold: np.ndarray) -> di
         "recipe": RECIPE,
         "alpha": ALPHA,
         "kept_float": list(KEPT_FLOAT),
+    }
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check_key(base_model: str, adapter_sha256: str) -> dict:
+    """What a stored parity check holds for: the adapter, the base model's weights (`base_model_identity`),
+    the recipe, and the torch build whose int8 kernels it measured (version, oneDNN, CPU capability). A
+    check whose key differs in any of them is measured again."""
+    onednn = re.search(r"(?:oneDNN|MKL-DNN) (v[\w.]+)", torch.__config__.show())
+    return {
+        "adapter_sha256": adapter_sha256,
+        "base_model": base_model_identity(base_model),
+        "recipe": RECIPE,
+        "torch": str(torch.__version__),
+        "onednn": onednn.group(1) if onednn else None,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def base_model_identity(base_model: str) -> dict:
+    """The base model's weights as files: its config's SHA-256, and each weight file's size and modification
+    time (a re-converted or re-downloaded model gets new files). A hub id not in the local cache is only its
+    name."""
+    folder = Path(base_model)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(base_model, local_files_only=True))
+        except Exception:
+            return {"name": base_model}
+    config = folder / "config.json"
+    files = sorted({f for pattern in WEIGHT_FILES for f in folder.glob(pattern)})
+    return {
+        "name": base_model,
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+        "files": {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files},
     }
 
 

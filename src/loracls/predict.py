@@ -281,17 +281,21 @@ def quantize_checked(classifier: Classifier, run: RunFolder) -> Classifier:
 
     The first call calibrates on the run's training texts and compares int8 with fp32 on (at most
     `PARITY_TEXTS` of) its test split; both results are kept in RUN/int8/ for the best checkpoint they were
-    measured on and the recipe (`int8.RECIPE`), so later calls only quantise."""
+    measured with: the adapter, the base model's weights, the recipe and the torch build (`int8.check_key`),
+    so later calls with the same ones only quantise."""
     classifier.precision = "fp32"
-    stored, adapter = run.file("int8"), sha256(run.best / "adapter_model.safetensors")
+    stored = run.file("int8")
+    key = int8_module.check_key(
+        resolve_model(run.read_config().model), sha256(run.best / "adapter_model.safetensors")
+    )
     result = None
     if (stored / "parity.json").is_file():
         result = json.loads((stored / "parity.json").read_text(encoding="utf-8"))
-    if result and result.get("adapter_sha256") == adapter and result.get("recipe") == int8_module.RECIPE:
+    if result and all(result.get(name) == value for name, value in key.items()):
         int8_module.quantize(classifier.model, load_file(stored / "ranges.safetensors"))
     else:
         result, ranges = measure_int8(classifier, run)
-        result["adapter_sha256"] = adapter
+        result |= key
         with atomic_folder(stored) as tmp:
             save_file(ranges, tmp / "ranges.safetensors")
             write_json(tmp / "parity.json", result)

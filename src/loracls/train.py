@@ -149,15 +149,17 @@ def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
     state = run.status()
     if state == "finished":
         raise LoraclsError(f"{run.path} already finished; nothing to resume")
-    checkpoint = checkpoints.latest(run.path)
+    checkpoint = checkpoints.resumable(run.path, processes.num_processes, run.main)
     if checkpoint is None:
         raise LoraclsError(
             f"{run.path} (status: {state}) has no complete checkpoint to resume from; start the run again"
         )
     cfg = run.read_config()
     check_requirements(cfg)
+    checkpoints.check_resume(checkpoint, cfg, run.path, processes.num_processes)
     splits = run.read_splits()
     step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
+    checkpoints.check_log(run)
     run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
     console.print(f"Resuming {run.path} from {checkpoint.name} (status was: {state})")
     return guarded(run, cfg, splits, resume=checkpoint)
