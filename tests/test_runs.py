@@ -260,12 +260,13 @@ def test_tokenizers_full_disk_error_in_best_is_translated_and_resumes(
     message; RUN/best keeps the previous best and the run resumes from its checkpoint."""
     save, calls = PreTrainedTokenizerFast._save_pretrained, []
 
-    def full(self, folder, *args, **kwargs):
-        if Path(folder).name == "best.tmp":
+    def full(self, *args, **kwargs):
+        folder = Path(kwargs.get("save_directory") or args[0])
+        if folder.name == "best.tmp":
             calls.append(folder)
             if len(calls) == 2:
                 raise Exception("No space left on device (os error 28)")
-        return save(self, folder, *args, **kwargs)
+        return save(self, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedTokenizerFast, "_save_pretrained", full)
     out = tmp_path / "run"
