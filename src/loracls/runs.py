@@ -58,7 +58,7 @@ class RunFolder:
 
     @classmethod
     def create(cls, out: str | None, data: str, main: bool = True, overwrite: bool = False) -> RunFolder:
-        """A new run folder at `out` (default `runs/<data>-<timestamp>`), locked by this process.
+        """The run folder at `out` (default `runs/<data>-<timestamp>`), checked; `open()` then takes it.
 
         Refuses a folder that holds a run (with `overwrite`: one that finished, or one still running) and a
         non-empty folder that is not a run: training writes data/, best/, config.yaml... into it."""
@@ -83,14 +83,21 @@ class RunFolder:
                 f"--out {path} is not empty and is not a loracls run (it holds {shown}); training would "
                 "write data/, best/, config.yaml and more into it. Choose a new or empty folder for --out."
             )
-        if not main:
-            return run
-        path.mkdir(parents=True, exist_ok=True)
-        run.lock()
-        for entry in path.iterdir() if holds_run else []:  # --overwrite of an unfinished run
+        return run
+
+    def open(self) -> None:
+        """After every process has checked the folder (`create`): make it, take its lock, and empty it of
+        the unfinished run `--overwrite` replaces."""
+        if not self.main:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.lock()
+        if self.status() == "finished":  # finished since `create` looked
+            self.unlock()
+            raise LoraclsError(f"{self.path} holds a finished run; --overwrite replaces unfinished runs only")
+        for entry in self.path.iterdir():
             if entry.name != LOCK:
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-        return run
 
     def holder(self) -> str | None:
         """Who holds `RUN/.lock` now ("pid N on host H"), or None when no live process does."""

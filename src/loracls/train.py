@@ -138,6 +138,7 @@ def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
             broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
         run = RunFolder.create(out[0], cfg.data, processes.is_main_process, overwrite)
         processes.wait_for_everyone()  # every process has checked the folder before the main one writes
+        run.open()
         cfg.out = str(run.path)
         return guarded(run, cfg, splits, resume=None)
 
@@ -234,7 +235,7 @@ def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | Non
             raise LoraclsError(message + record_end(run, "failed", message)) from None
         note = record_end(run, "failed", f"{type(e).__name__}: {e}")
         if note and isinstance(e, LoraclsError):
-            raise LoraclsError(f"{e}{note}") from None
+            e.args = (f"{e}{note}",)
         raise
     finally:
         run.unlock()
