@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -110,7 +111,8 @@ def test_checkpoints_keep_the_last_and_the_best(reference):
 def test_killed_run_resumes_to_identical_results(reference, tiny_models, tmp_path):
     run, data = reference
     out = tmp_path / "killed"
-    stop_mid_run(tiny_models["llama"], data, out, 9, signal.SIGKILL).wait()
+    killed = stop_mid_run(tiny_models["llama"], data, out, 9, signal.SIGKILL)
+    killed.wait()
     assert json.loads((out / "status.json").read_text())["state"] == "running"  # never marked finished
     assert not (out / "metrics.json").exists()
     for command in (["eval", out], ["export", out, "--out", tmp_path / "export"]):
@@ -122,6 +124,10 @@ def test_killed_run_resumes_to_identical_results(reference, tiny_models, tmp_pat
     result = invoke("train", "--resume", out)
     assert result.exit_code == 0, result.output
     assert f"from {stopped_at}" in " ".join(result.output.split())
+    # the killed process's lock is recognised as stale and taken over
+    assert f"the lock of pid {killed.pid} on host {socket.gethostname()} is stale" in " ".join(
+        result.output.split()
+    )
     assert json.loads((out / "status.json").read_text())["state"] == "finished"
     assert outputs(out) == outputs(run)  # bit-identical on CPU: predictions, losses, metrics, adapter
     assert len(json.loads((out / "env.json").read_text())["resumes"]) == 1

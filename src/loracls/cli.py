@@ -99,6 +99,12 @@ def train(
     resume: Annotated[
         Path | None, typer.Option("--resume", help="Continue this unfinished run from its last checkpoint")
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite", help="Start again in --out when it holds an unfinished run that no process writes"
+        ),
+    ] = False,
     **options,
 ) -> None:
     """Fine-tune with LoRA, validate as it goes, and report on the test split."""
@@ -108,14 +114,14 @@ def train(
     try:
         given = {k: v for k, v in options.items() if v is not None}
         if resume is not None:
-            if given or overrides or config:
+            if given or overrides or config or overwrite:
                 raise LoraclsError(
                     f"--resume takes no other options: the run continues with {resume}/config.yaml"
                 )
             run, metrics = resume_run(resume)
         else:
             cfg = TrainConfig.load(config, {**given, **parse_overrides(overrides or [])})
-            run, metrics = run_train(cfg)
+            run, metrics = run_train(cfg, overwrite)
     except LoraclsError as e:
         fail(e)
     if not run.main:  # under several processes, the main one reports

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
-from loracls.files import write_text  # noqa: E402
+from loracls.files import write_bytes, write_text  # noqa: E402
 from loracls.runs import RunFolder  # noqa: E402
 
 STYLE = """
@@ -260,7 +260,7 @@ def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int
         plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
     (run.path / "plots").mkdir(exist_ok=True)
     for name, data in plots.items():
-        (run.path / "plots" / f"{name}.png").write_bytes(data)
+        write_bytes(run.path / "plots" / f"{name}.png", data)
     return plots
 
 

@@ -4,6 +4,7 @@ RUN/config.yaml         resolved TrainConfig
 RUN/env.json            versions, backend and device
 RUN/labels.json         id2label / label2id
 RUN/status.json         running, then finished (only after metrics.json exists), interrupted or failed
+RUN/.lock               pid and host of the process writing the run, held (flock) while it runs
 RUN/data/{train,val,test}.jsonl, notes.json  the splits as trained and scored (`--resume`, `eval` read them)
 RUN/targets.json        the modules that got LoRA and the trainable parameter counts
 RUN/train_log.jsonl     one line per log step and per validation
@@ -16,9 +17,12 @@ RUN/metrics.json
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
+import shutil
+import socket
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -32,7 +36,10 @@ import yaml
 from loracls.config import TrainConfig
 from loracls.data import Splits
 from loracls.errors import LoraclsError
-from loracls.files import write_text
+from loracls.files import recover_folder, write_text
+from loracls.output import console
+
+LOCK = ".lock"
 
 
 @dataclass
@@ -42,18 +49,118 @@ class RunFolder:
     """Whether this process writes: under several processes only the main one does; the others' writes are
     no-ops, so the training code reads the same for one process or many."""
 
+    stage: str = "starting"
+    """What the run is doing, for the message when a signal or an error stops it."""
+
     def __post_init__(self) -> None:
         self.path = Path(self.path)
+        self.lock_file = None
 
     @classmethod
-    def create(cls, out: str | None, data: str, main: bool = True) -> RunFolder:
-        """A new run folder at `out` (default `runs/<data>-<timestamp>`); refuses one that holds a run."""
+    def create(cls, out: str | None, data: str, main: bool = True, overwrite: bool = False) -> RunFolder:
+        """The run folder at `out` (default `runs/<data>-<timestamp>`), checked; `open()` then takes it.
+
+        Refuses a folder that holds a run (with `overwrite`: one that finished, or one still running) and a
+        non-empty folder that is not a run: training writes data/, best/, config.yaml... into it."""
         path = Path(out or default_out(data))
-        if (path / "status.json").exists():
-            raise LoraclsError(f"{path} already holds a run; choose another --out or remove it")
-        if main:
-            path.mkdir(parents=True, exist_ok=True)
-        return cls(path, main)
+        run = cls(path, main)
+        if path.exists() and not path.is_dir():
+            raise LoraclsError(f"--out {path} is a file, not a folder; choose another --out")
+        holds_run = (path / "status.json").exists() or (path / LOCK).exists()
+        if holds_run and run.holder():
+            raise run.in_use(run.holder())
+        if holds_run and not overwrite:
+            raise LoraclsError(
+                f"{path} already holds a run (status: {run.status()}); continue it with `loracls train "
+                f"--resume {path}`, start it again in this folder with --overwrite, or choose another --out"
+            )
+        if holds_run and run.status() == "finished":
+            raise LoraclsError(f"{path} holds a finished run; --overwrite replaces unfinished runs only")
+        if path.is_dir() and not holds_run and any(path.iterdir()):
+            names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise LoraclsError(
+                f"--out {path} is not empty and is not a loracls run (it holds {shown}); training would "
+                "write data/, best/, config.yaml and more into it. Choose a new or empty folder for --out."
+            )
+        return run
+
+    def open(self) -> None:
+        """After every process has checked the folder (`create`): make it, take its lock, and empty it of
+        the unfinished run `--overwrite` replaces."""
+        if not self.main:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.lock()
+        if self.status() == "finished":  # finished since `create` looked
+            self.unlock()
+            raise LoraclsError(f"{self.path} holds a finished run; --overwrite replaces unfinished runs only")
+        for entry in self.path.iterdir():
+            if entry.name != LOCK:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+    def holder(self) -> str | None:
+        """Who holds `RUN/.lock` now ("pid N on host H"), or None when no live process does."""
+        path = self.path / LOCK
+        if not path.is_file():
+            return None
+        with path.open(encoding="utf-8") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return f.read().strip() or "pid unknown"
+        return None
+
+    def in_use(self, holder: str) -> LoraclsError:
+        return LoraclsError(
+            f"{self.path} is being written by another loracls process ({holder}); wait for it to end, or "
+            "stop it (SIGINT or SIGTERM: it writes a checkpoint), then try again"
+        )
+
+    def lock(self) -> None:
+        """Hold `RUN/.lock` until `unlock()` or this process ends: one process writes a run at a time.
+
+        The lock is an flock, which the kernel drops when its process dies; the file names the holder, so a
+        lock left by a killed process is recognised (and taken over), and a live one is named."""
+        if not self.main:
+            return
+        path = self.path / LOCK
+        f = path.open("a+", encoding="utf-8")
+        f.seek(0)
+        holder = f.read().strip()
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise self.in_use(holder or "pid unknown") from None
+        host = socket.gethostname()
+        if holder and not holder.endswith(f"on host {host}"):
+            f.close()
+            raise LoraclsError(
+                f"{path} names {holder}, on another machine, which may still be writing this run; if that "
+                f"run has ended, remove {path} and try again"
+            )
+        if holder:
+            console.print(f"[dim]{path}: the lock of {holder} is stale (that process ended); taken over[/]")
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on host {host}\n")
+        f.flush()
+        self.lock_file = f
+
+    def unlock(self) -> None:
+        """Release `RUN/.lock`: emptied, then unlocked (an empty lock file is a free one)."""
+        if self.lock_file is None:
+            return
+        self.lock_file.seek(0)
+        self.lock_file.truncate()
+        self.lock_file.close()
+        self.lock_file = None
+
+    def recover(self) -> None:
+        """Put back what a stop in the middle of replacing RUN/best left aside."""
+        if self.main:
+            recover_folder(self.best)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -77,17 +184,15 @@ class RunFolder:
         self.write_json("env.json", first)
 
     def append_log(self, record: dict) -> None:
+        """One line appended (a full disk can leave half of the last line; `truncate_log` drops it)."""
         if not self.main:
             return
         with (self.path / "train_log.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def write_config(self, cfg: TrainConfig) -> None:
-        if not self.main:
-            return
-        (self.path / "config.yaml").write_text(
-            yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8"
-        )
+        if self.main:
+            write_text(self.path / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     def set_status(self, state: str, **extra: Any) -> None:
         self.write_json("status.json", {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra})
@@ -104,7 +209,8 @@ class RunFolder:
         log = self.path / "train_log.jsonl"
         if self.main and log.is_file():
             lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            whole = [line for line in lines if line.endswith("\n") and line.strip()]
+            kept = [line for line in whole if json.loads(line)["step"] <= step]
             write_text(log, "".join(kept))
 
     def read_splits(self) -> Splits:
@@ -154,7 +260,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def write_jsonl(path: Path, table: pd.DataFrame) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    table.to_json(path, orient="records", lines=True, force_ascii=False)
+    write_text(path, table.to_json(orient="records", lines=True, force_ascii=False))
 
 
 def package_version(name: str) -> str | None:

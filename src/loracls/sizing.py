@@ -19,9 +19,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import release_memory
 from accelerate.utils.memory import should_reduce_batch_size
+from filelock import FileLock
 
 from loracls.cpu import cpu_has_fast_bf16
 from loracls.errors import LoraclsError
+from loracls.files import write_text
 
 CPU_MICRO_BATCH = 16
 """The micro-batch cap on a CPU: larger ones gain nothing there and pad more within a batch."""
@@ -189,8 +191,10 @@ def micro_batch_size(
         found = int(accelerator.gather(torch.tensor([found], device=device)).min())
     if how == "probed" and accelerator.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
-        cached[key_text] = found
-        path.write_text(json.dumps(cached, indent=1), encoding="utf-8")
+        with FileLock(str(path.with_name(path.name + ".lock"))):  # another run may add its own key meanwhile
+            cached = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            cached[key_text] = found
+            write_text(path, json.dumps(cached, indent=1))
     return found, how
 
 

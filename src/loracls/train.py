@@ -3,8 +3,12 @@ the best → metrics), writing the run folder as it goes; `resume()` continues a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +28,7 @@ from loracls.data import Splits, load_splits, tokenize, tokenize_responses, trun
 from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
+from loracls.files import disk_full, no_space, written_file
 from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
@@ -111,34 +116,42 @@ def start_tracking(accelerator: Accelerator, cfg: TrainConfig, run: RunFolder) -
     )
 
 
-def train(cfg: TrainConfig) -> tuple[RunFolder, dict]:
+def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
     """The whole job; returns the run folder and the metrics written to `RUN/metrics.json`.
 
-    Under `accelerate launch` or `torchrun`, every process runs this; only the main one writes.
+    `overwrite` starts again in a folder that holds an unfinished run no process is writing. Under
+    `accelerate launch` or `torchrun`, every process runs this; only the main one writes.
     """
     check_requirements(cfg)
     processes = PartialState(cpu=cpu_only())
     console.quiet = not processes.is_main_process
-    splits = load_splits(cfg)
-    for note in splits.notes:
-        console.print(f"[dim]data: {note}[/]")
-    console.print(
-        f"data: {len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test, "
-        f"labels {splits.labels}"
-    )
-    out = [cfg.out or default_out(cfg.data)]
-    if processes.num_processes > 1:
-        broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
-    run = RunFolder.create(out[0], cfg.data, processes.is_main_process)
-    processes.wait_for_everyone()  # every process has checked the folder before the main one writes
-    cfg.out, cfg.label_type = str(run.path), splits.label_type
+    with stop_on_signals("stopped while loading the data; no run was started"):
+        splits = load_splits(cfg)
+        for note in splits.notes:
+            console.print(f"[dim]data: {note}[/]")
+        console.print(
+            f"data: {len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test, "
+            f"labels {splits.labels}"
+        )
+        out = [cfg.out or default_out(cfg.data)]
+        if processes.num_processes > 1:
+            broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
+        run = RunFolder.create(out[0], cfg.data, processes.is_main_process, overwrite)
+        processes.wait_for_everyone()  # every process has checked the folder before the main one writes
+        run.open()
+        cfg.out, cfg.label_type = str(run.path), splits.label_type
+        return guarded(run, cfg, splits, resume=None)
+
+
+def write_inputs(run: RunFolder, cfg: TrainConfig, splits: Splits) -> None:
+    """What a new run records first: its config, labels and data splits."""
+    run.stage = "writing the run's config and data splits"
     run.write_config(cfg)
     run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
     if run.main:
         for name in ("train", "val", "test"):
             write_jsonl(run.file(f"data/{name}.jsonl"), getattr(splits, name))
     run.write_json("data/notes.json", splits.notes)
-    return guarded(run, cfg, splits, resume=None)
 
 
 def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
@@ -149,41 +162,108 @@ def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
     state = run.status()
     if state == "finished":
         raise LoraclsError(f"{run.path} already finished; nothing to resume")
-    checkpoint = checkpoints.resumable(run.path, processes.num_processes, run.main)
-    if checkpoint is None:
-        raise LoraclsError(
-            f"{run.path} (status: {state}) has no complete checkpoint to resume from; start the run again"
-        )
-    cfg = run.read_config()
-    check_requirements(cfg)
-    checkpoints.check_resume(checkpoint, cfg, run.path, processes.num_processes)
-    splits = run.read_splits()
-    step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
-    checkpoints.check_log(run)
-    run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
-    console.print(f"Resuming {run.path} from {checkpoint.name} (status was: {state})")
-    return guarded(run, cfg, splits, resume=checkpoint)
+    with stop_on_signals(f"stopped before resuming; {run.path} is as it was"):
+        run.lock()  # before anything is read or truncated: a live run is refused
+        try:
+            checkpoint = checkpoints.resumable(run.path, processes.num_processes, run.main)
+            if checkpoint is None:
+                raise LoraclsError(
+                    f"{run.path} (status: {state}) has no complete checkpoint to resume from; start it "
+                    "again: the same `loracls train` command with --overwrite"
+                )
+            cfg = run.read_config()
+            check_requirements(cfg)
+            checkpoints.check_resume(checkpoint, cfg, run.path, processes.num_processes)
+            splits = run.read_splits()
+            checkpoints.check_log(run)
+        except BaseException:
+            run.unlock()
+            raise
+        step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
+        run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
+        console.print(f"Resuming {run.path} from {checkpoint.name} (status was: {state})")
+        return guarded(run, cfg, splits, resume=checkpoint)
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside `fit()`'s loop (whose own handler checkpoints first)."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(before: str) -> Iterator[None]:
+    """For the run's lifetime, SIGINT and SIGTERM raise `StopRequested` wherever the run is, so that
+    `guarded()` records it; one before `guarded()` ends with the message `before`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(number: int, frame) -> None:
+        raise StopRequested(signal.Signals(number).name)
+
+    previous = {number: signal.signal(number, handle) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except StopRequested as e:
+        raise Interrupted(f"{e}: {before}") from None
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None) -> tuple[RunFolder, dict]:
-    """`train_into()` with `RUN/status.json` saying running, then finished, interrupted or failed."""
-    run.set_status("running", resumed_from=str(resume) if resume else None)
+    """`train_into()` with `RUN/status.json` saying running, then finished, interrupted or failed, and the
+    run's lock released at the end. A signal, a full disk or an error anywhere ends with a message that
+    says what the run was doing and how to continue."""
     try:
+        run.set_status("running", resumed_from=str(resume) if resume else None)
+        if resume is None:
+            write_inputs(run, cfg, splits)
+        run.recover()
         metrics = train_into(run, cfg, splits, resume)
+        run.stage = "writing the report"
+        run.set_status("finished")
+        if run.main:  # after the status: the report says whether the run finished
+            console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     except (Interrupted, KeyboardInterrupt) as e:
-        run.set_status("interrupted", error=str(e) or "KeyboardInterrupt")
-        raise
+        message = str(e) if isinstance(e, Interrupted) else f"{e or 'KeyboardInterrupt'}: stopped while "
+        if not isinstance(e, Interrupted):
+            message += f"{run.stage}; {next_step(run)}"
+        raise Interrupted(message + record_end(run, "interrupted", message)) from None
     except BaseException as e:
-        run.set_status("failed", error=f"{type(e).__name__}: {e}")
+        if (no_space(e) or disk_full(run.path)) and not isinstance(e, LoraclsError):
+            where = written_file(e) or f"a file in {run.path}"
+            message = f"No space left on device writing {where} (while {run.stage}): free space, then "
+            message += next_step(run)
+            raise LoraclsError(message + record_end(run, "failed", message)) from None
+        note = record_end(run, "failed", f"{type(e).__name__}: {e}")
+        if note and isinstance(e, LoraclsError):
+            e.args = (f"{e}{note}",)
         raise
-    run.set_status("finished")
-    if run.main:  # after the status: the report says whether the run finished
-        console.print(f"report: {build_report(run.path)}", soft_wrap=True)
+    finally:
+        run.unlock()
     return run, metrics
+
+
+def next_step(run: RunFolder) -> str:
+    """How to continue a stopped run: resume from its checkpoint, or start again without one."""
+    if checkpoints.latest(run.path) is not None:
+        return f"`loracls train --resume {run.path}`"
+    return "start it again (no checkpoint yet): the same `loracls train` command with --overwrite"
+
+
+def record_end(run: RunFolder, state: str, error: str) -> str:
+    """Write the run's end into status.json; returns what to add to the message when even that fails."""
+    try:
+        run.set_status(state, error=error)
+    except OSError as e:
+        status = run.file("status.json")
+        return f" (and {status} could not be written either: {e.strerror}; it says what it said before)"
+    return ""
 
 
 def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
     """The stages of a run, in order, written into an open run folder; returns `RUN/metrics.json`."""
+    run.stage = "checking the environment"
     accelerator = make_accelerator(cfg, run)
     facts = collect_facts()
     record_environment(run, accelerator, facts, resume)
@@ -191,10 +271,13 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         check_before_training(str(accelerator.device), facts)
     if cfg.quantize:
         check_quantization(accelerator.device, facts)
+    run.stage = "loading the tokenizer"
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
+    run.stage = "choosing the prompt and scoring the baseline"
     baseline, head_rows = prompt_stage(model_path, tokenizer, splits, cfg, run, accelerator, resume)
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
+    run.stage = "loading the model"
     if cfg.objective == "lm":
         model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle, cfg.attention)
     else:
@@ -212,6 +295,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
+    run.stage = "tokenizing the data"
     prompter = input_prompter(tokenizer, cfg, splits.labels)
     train_set, val_set, test_set = (
         tokenize(t, tokenizer, cfg.max_length, splits.label2id, prompter)
@@ -225,6 +309,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         console.print(
             f"[yellow]{share:.0%} of training texts are truncated at max_length={cfg.max_length}[/]"
         )
+    run.stage = "applying LoRA and choosing the micro-batch"
     model, plan = apply_lora(model, cfg)
     run.write_json("targets.json", plan.to_json())
     console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
@@ -232,8 +317,10 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     speed_options(model, cfg)
     choose_micro_batch(model, train_set, tokenizer, objective, cfg, run, accelerator)
 
+    run.stage = "training"
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, objective, resume)
 
+    run.stage = "testing the best checkpoint"
     best = best_model(model, result, cfg, run, accelerator)
     test = score_test_split(best, val_set, test_set, tokenizer, splits, cfg, run, accelerator, objective)
     metrics = {
