@@ -349,3 +349,29 @@ def test_a_real_full_disk_fails_clearly_and_resumes_once_freed(short_reference, 
         assert outputs(out) == outputs(reference)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize(
+    "name, text, command",
+    [
+        ("status.json", '{"state": "runn', "predict"),
+        ("status.json", '["finished"]', "resume"),
+        ("labels.json", '{"id2label": {"0": "negative"', "predict"),
+        ("labels.json", '{"label2id": {}}', "predict"),
+        ("data/notes.json", "", "resume"),
+    ],
+)
+def test_a_damaged_run_file_is_an_error_naming_it(name, text, command, trained, tmp_path):
+    """A torn or edited JSON file of the run folder ends in a message naming it (exit 2), not a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["llama"][0], run)
+    if command == "resume":  # a run that can be resumed: interrupted, with its checkpoints
+        RunFolder(run).set_status("interrupted")
+        args = ["train", "--resume", run]
+    else:
+        args = ["predict", run, "good"]
+    (run / name).write_text(text, encoding="utf-8")
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert str(run / name) in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output

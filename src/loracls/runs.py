@@ -179,7 +179,7 @@ class RunFolder:
         if resume is None:
             self.write_json("env.json", env)
             return
-        first = json.loads(self.file("env.json").read_text(encoding="utf-8"))
+        first = read_json(self.file("env.json"))
         first.setdefault("resumes", []).append({"from": str(resume), **env})
         self.write_json("env.json", first)
 
@@ -202,7 +202,12 @@ class RunFolder:
         status_file = self.path / "status.json"
         if not status_file.is_file():
             return None
-        return json.loads(status_file.read_text(encoding="utf-8")).get("state")
+        status = read_json(status_file, 'rewrite it as {"state": "interrupted"} to resume the run')
+        if not isinstance(status, dict) or not isinstance(status.get("state"), str):
+            raise LoraclsError(
+                f'{status_file} has no "state"; rewrite it as {{"state": "interrupted"}} to resume the run'
+            )
+        return status["state"]
 
     def truncate_log(self, step: int) -> None:
         """Drop `train_log.jsonl` records after `step` (a resumed run writes them again)."""
@@ -215,7 +220,7 @@ class RunFolder:
 
     def read_splits(self) -> Splits:
         """The train/val/test tables and labels a run was started with."""
-        notes = json.loads((self.path / "data" / "notes.json").read_text(encoding="utf-8"))
+        notes = read_json(self.path / "data" / "notes.json")
         tables = [self.read_split(name) for name in ("train", "val", "test")]
         return Splits(*tables, labels=self.read_labels(), notes=notes)
 
@@ -223,8 +228,15 @@ class RunFolder:
         return TrainConfig.load(self.path / "config.yaml", written=True)
 
     def read_labels(self) -> list[str]:
-        id2label = json.loads((self.path / "labels.json").read_text(encoding="utf-8"))["id2label"]
-        return [id2label[str(i)] for i in range(len(id2label))]
+        file = self.path / "labels.json"
+        try:
+            id2label = read_json(file)["id2label"]
+            return [id2label[str(i)] for i in range(len(id2label))]
+        except (KeyError, TypeError) as e:
+            raise LoraclsError(
+                f"{file} is damaged: it must map each label id 0..N-1 to its label under id2label "
+                f"({type(e).__name__}: {e})"
+            ) from None
 
     def read_split(self, name: str) -> pd.DataFrame:
         """A split as written: string labels, or tuples of them in a multi-label task."""
@@ -252,6 +264,16 @@ class RunFolder:
 
 def default_out(data: str) -> str:
     return f"runs/{Path(data).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def read_json(path: Path, fix: str | None = None) -> Any:
+    """A JSON file of the run folder; a missing, unreadable or damaged one is a `LoraclsError` naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LoraclsError(f"{path} is missing from the run folder{'; ' + fix if fix else ''}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoraclsError(f"{path} is damaged ({e}){'; ' + fix if fix else ''}") from None
 
 
 def write_json(path: Path, value: Any) -> None:
