@@ -18,6 +18,7 @@ class FakeClassifier:
 
     labels = ["sports", "politics", "science"]
     thresholds = [0.5, 0.5, 0.5]
+    label_type = "str"
 
     def encode(self, texts):
         if any("\x00" in t for t in texts):
@@ -135,3 +136,21 @@ def test_a_dead_worker_fails_what_it_holds_and_refuses_what_comes():
     assert isinstance(failed, ServeError) and failed.status == 503 and "worker stopped" in failed.message
     with pytest.raises(ServeError, match="worker stopped"):
         batcher.submit(answers.job("later", ["science"]))
+
+
+class IntegerLabels(FakeClassifier):
+    """A run trained on labels 0/1/2 (`label_type: int`), single-label."""
+
+    labels = ["0", "1", "2"]
+    thresholds = None
+    label_type = "int"
+
+
+def test_an_integer_task_answers_integers_as_predict_does():
+    batcher = Batcher(IntegerLabels, Metrics(), max_batch=8, max_wait_ms=1)
+    batcher.start()
+    assert batcher.ready.wait(10) and batcher.failed is None
+    answers = Answers()
+    batcher.submit(answers.job("ints", ["2 wins", "then 1"]))
+    batcher.stop()
+    assert [r["label"] for r in answers.results["ints"]] == [2, 1]

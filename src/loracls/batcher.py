@@ -24,6 +24,7 @@ import numpy as np
 from datasets import Dataset
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from loracls.data import label_value
 from loracls.evaluate import predicted_labels
 from loracls.predict import Classifier
 
@@ -244,13 +245,14 @@ class Batcher:
 
     def records(self, probs: np.ndarray, tokens: list[int]) -> list[dict]:
         labels, thresholds = self.classifier.labels, self.classifier.thresholds
-        top = [labels[i] for i in probs.argmax(1)]
+        kind = self.classifier.label_type  # an `int` task answers integers, as `predict` does
+        top = [label_value(labels[i], kind) for i in probs.argmax(1)]
         chosen = predicted_labels(probs, labels, thresholds)
         out = []
         for n, p in enumerate(probs):
             record = {"label": top[n], "probs": [float(x) for x in p], "num_classes": len(labels)}
             if thresholds is not None:
-                record["labels"] = chosen[n]
+                record["labels"] = label_value(chosen[n], kind)
             record["prompt_tokens"] = tokens[n]
             out.append(record)
         return out

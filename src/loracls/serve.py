@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loracls.batcher import Batcher, Job, Metrics, ServeError
+from loracls.data import label_value
 from loracls.errors import LoraclsError
 from loracls.predict import Classifier
 
@@ -371,15 +372,17 @@ def describe_model(path: Path, allow_unfinished: bool = False) -> dict:
         run.check_finished(allow_unfinished)
         cfg = run.read_config()
         labels, base, objective, multi = run.read_labels(), cfg.model, cfg.objective, cfg.multi_label
+        label_type = cfg.label_type
     elif (path / EXPORT_INFO).is_file():
         export = read_export_info(path)
         labels, base = export["labels"], export["base_model"]
         objective, multi = export.get("objective", "head"), export.get("thresholds") is not None
+        label_type = export.get("label_type", "str")
     else:
         raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
     return {
         "name": path.resolve().name,
-        "labels": labels,
+        "labels": [label_value(label, label_type) for label in labels],
         "base_model": model_name(base),
         "objective": objective,
         "multi_label": multi,
@@ -487,7 +490,7 @@ def serve(
             if server.server.should_exit:
                 return
             time.sleep(0.05)
-        console.print(f"ready: {info['name']} ({', '.join(info['labels'])}) on http://{host}:{port}")
+        console.print(f"ready: {info['name']} ({', '.join(map(str, info['labels']))}) on http://{host}:{port}")
         batcher.thread.join()
         if batcher.died is not None:
             console.print(f"[red]{batcher.closed_reason()}: exiting 1 for a supervisor to restart it[/]")
