@@ -295,3 +295,11 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
     assert asked[-1] is None and merges == [1]  # the full-precision base, merged
     info = json.loads((tmp_path / "export/loracls.json").read_text())
     assert "4-bit base (QLoRA)" in info["merged_into"]
+
+
+def test_version_names_loracls_and_the_libraries_it_runs_on():
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"loracls {version('loracls')} (torch {version('torch')}, transformers ")

@@ -1,6 +1,7 @@
 """`targets` and `export` through the CLI, and reloading an export the way users would."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -74,6 +75,10 @@ def test_export_reloads_and_matches_the_unmerged_run(trained, exported, family):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"][0].endswith("ForSequenceClassification")
     assert config["id2label"] == {"0": "negative", "1": "positive"} and config["pad_token_id"] is not None
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir() if p.is_file()}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes  # others on the machine can read it
     if family in WITH_TRANSFORMERS_CLASS:
         model = AutoModelForSequenceClassification.from_pretrained(folder)  # nothing from loracls
     else:

@@ -83,3 +83,15 @@ def test_a_short_last_window_weighs_as_a_full_one():
                 model.zero_grad()
     # the mean input of each window: (1+2+3+4)/4, (5+..+8)/4, (9+10)/2, times d loss / d w = 3
     assert [float(g[0, 0]) for g in grads] == pytest.approx([7.5, 19.5, 28.5])
+
+
+def test_the_step_line_says_when_min_steps_raised_the_steps():
+    """5 steps an epoch and `--epochs 1` with the default min_steps trains 60: the line that announces the
+    steps says so, and how to train one epoch."""
+    from loracls.fit import raised_by_min_steps
+
+    assert raised_by_min_steps(TrainConfig(epochs=1, min_steps=60), 5, 60) == (
+        ": raised from 5 (1 epoch) to min_steps=60; --min-steps 0 for 1 epoch only"
+    )
+    assert raised_by_min_steps(TrainConfig(epochs=2, min_steps=8), 5, 10) == ""  # the epochs gave more
+    assert raised_by_min_steps(TrainConfig(epochs=1, min_steps=0), 5, 5) == ""

@@ -25,8 +25,31 @@ app = typer.Typer(
 console = Console()
 
 
+def print_version(asked: bool) -> None:
+    """`--version`: loracls's version and the libraries it runs on, without importing them."""
+    if not asked:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    names = ("torch", "transformers", "peft", "accelerate")
+    libraries = ", ".join(f"{name} {installed(name)}" for name in names)
+    typer.echo(f"loracls {installed('loracls')} ({libraries})")
+    raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=print_version, is_eager=True, help="Print the versions and exit"),
+    ] = False,
+) -> None:
     """Keep the libraries' own chatter (load reports, map bars) out of loracls's output."""
     import warnings
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from loracls.cpu import check_int8_cpu
 from loracls.errors import LoraclsError
-from loracls.files import atomic_folder
+from loracls.files import atomic_folder, share_as_umask_allows
 from loracls.model import from_pretrained, load_tokenizer
 from loracls.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
 from loracls.prompts import input_prompter
@@ -99,6 +99,7 @@ def export_run(
                 "loracls": package_version("loracls"),
             },
         )
+        share_as_umask_allows(tmp)
     return out
 
 

@@ -91,6 +91,17 @@ def atomic_folder(target: Path, suffix: str = ".tmp") -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def share_as_umask_allows(folder: Path) -> None:
+    """Give every file under `folder` the mode a plain `open()` would (0o666 less the umask): libraries that
+    write through temporary files leave 0o600 (transformers' `model.safetensors`), which other users of a
+    shared machine cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)
+
+
 def recover_folder(target: Path) -> None:
     """After a stop between the two renames of `atomic_folder`: put the old `target` back from aside, or,
     when the new one is already in, remove the old."""

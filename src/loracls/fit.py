@@ -106,8 +106,9 @@ def fit(
     fingerprint = checkpoints.fingerprint(cfg, run.path, accelerator.num_processes) if run.main else None
     console.print(
         f"{len(train_set)} training examples, {steps_per_epoch} optimizer steps per epoch, "
-        f"{total_steps} in all (warm-up {warmup}), batch {cfg.batch_size} = {accum} x "
-        f"{cfg.micro_batch_size} examples, x {accelerator.num_processes} process(es)"
+        f"{total_steps} in all{raised_by_min_steps(cfg, steps_per_epoch, total_steps)} (warm-up {warmup}), "
+        f"batch {cfg.batch_size} = {accum} x {cfg.micro_batch_size} examples, x {accelerator.num_processes} "
+        "process(es)"
     )
 
     start, step_loss, step_micro = time.perf_counter(), 0.0, 0
@@ -379,6 +380,15 @@ def optimizer_step(
     if scaled or not nonfinite:
         optimizer.step()
     return grad_norm, nonfinite
+
+
+def raised_by_min_steps(cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> str:
+    """What the step line says when `min_steps` gave more steps than the epochs asked for."""
+    asked = math.ceil(cfg.epochs * steps_per_epoch)
+    if total_steps != cfg.min_steps or cfg.min_steps <= asked:
+        return ""
+    epochs = f"{cfg.epochs:g} epoch{'' if cfg.epochs == 1 else 's'}"
+    return f": raised from {asked} ({epochs}) to min_steps={cfg.min_steps}; --min-steps 0 for {epochs} only"
 
 
 def window_weight(batch: int, batches: int, accumulation: int) -> float:
