@@ -3,6 +3,7 @@ answers, and the prompt travels with the run through eval, predict, export and r
 
 import html
 import json
+import re
 import signal
 
 import numpy as np
@@ -184,6 +185,11 @@ def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_mo
     assert result.exit_code == 0, result.output
     decided = "verbalizer" if knows else "zero"
     assert f"head_init: {decided}" in (out / "config.yaml").read_text()
-    assert f"head_init auto: {decided}" in " ".join(result.output.split())
+    said = " ".join(result.output.split())
+    assert f"head_init auto: {decided}" in said
+    # why the search runs although the baseline is off, and what skips it
+    searched = r"prompt: scoring \d+ candidate prompts on \d+ training examples, for the head's start "
+    assert re.search(searched + r"\(head_init: auto; --head-init zero: raw text, no prompt\)", said), said
+    assert "baseline (--no-baseline)" not in said
     kappa = json.loads((out / "prompt.json").read_text())["choice"]["candidates"][0]["kappa"]
     assert kappa == (1.0 if knows else 0.0)

@@ -197,7 +197,9 @@ class TrainConfig(PromptConfig):
     compile: bool = False
     """`torch.compile` the model before training (opt-in: the first steps pay for compilation)."""
     baseline: bool = True
-    """Score the prompt baseline (the base model's LM head, no training) on the test split before training."""
+    """Score the prompt baseline (the base model's LM head, no training) on the test split before training.
+    Without it the prompt is still chosen on training examples when the head starts from it (`head_init`
+    `auto` or `verbalizer`) or with `objective: lm`; `head_init: zero` skips that too."""
     smoke_test: bool = True
     """On a GPU, run `loracls doctor`'s child-process smoke test before loading the model."""
     track: str | None = None

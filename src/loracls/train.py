@@ -34,7 +34,7 @@ from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, LanguageModel, Objective
 from loracls.output import console
-from loracls.prompts import Prompter, answer_tokens, input_prompter, pin_prompt
+from loracls.prompts import Prompter, answer_tokens, candidate_prompts, input_prompter, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
@@ -463,6 +463,7 @@ def prompt_stage(
     with accelerator.autocast():
         try:
             one_token = cfg.objective == "head" and cfg.prompted
+            console.print(search_line(cfg, splits, wants_baseline), soft_wrap=True)
             choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=one_token)
         except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
             if cfg.head_init != "auto" or wants_baseline or cfg.objective == "lm":
@@ -493,6 +494,21 @@ def prompt_stage(
             rows = lm.get_output_embeddings().weight[following].detach().float().cpu().clone()
     del lm
     return baseline, rows
+
+
+def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:
+    """Before the prompt search: how much it scores, why it runs at all, and the options that skip it."""
+    count = len(candidate_prompts(splits.labels, list(splits.train["text"]), cfg))
+    sample = min(cfg.prompt_sample, len(splits.train))
+    why = []
+    if cfg.objective == "lm":
+        why.append("objective: lm, which reads every text inside the prompt")
+    elif cfg.head_init in ("auto", "verbalizer"):
+        why.append(f"the head's start (head_init: {cfg.head_init}; --head-init zero: raw text, no prompt)")
+    if wants_baseline:
+        why.append("the prompt baseline (--no-baseline)")
+    what = f"{count} candidate prompts" if count > 1 else "the prompt"
+    return f"prompt: scoring {what} on {sample} training examples, for {' and '.join(why)}"
 
 
 def baseline_applies(cfg: TrainConfig, accelerator: Accelerator) -> bool:
