@@ -158,16 +158,25 @@ def mount_tmpfs(folder: Path, size: str) -> None:
         pytest.skip("needs to mount a small tmpfs (root) to fill a disk for real")
 
 
-def test_a_checkpoint_that_fills_the_disk_leaves_no_tmp_and_says_so(finished, tiny_models, tmp_path):
+def test_a_checkpoint_that_fills_the_disk_leaves_no_tmp_and_says_so(
+    finished, tiny_models, tmp_path, monkeypatch
+):
     """RUN/checkpoints on a small tmpfs that fills during a checkpoint: torch.save raises a RuntimeError
     that does not say why; the checkpoint path says "No space left on device" and removes its .tmp."""
+    from loracls.runs import RunFolder
+
     run, data = finished
     disk = tmp_path / "disk"
     mount_tmpfs(disk, "2m")
+    opened = RunFolder.open
+
+    def open_with_checkpoints_on_the_small_disk(self: RunFolder) -> None:
+        opened(self)  # `--out` must be empty or a run: the link goes in once the run holds the folder
+        (self.path / "checkpoints").symlink_to(disk)
+
+    monkeypatch.setattr(RunFolder, "open", open_with_checkpoints_on_the_small_disk)
     try:
         out = tmp_path / "run"
-        out.mkdir()
-        (out / "checkpoints").symlink_to(disk)
         # the first checkpoints fit; a filler leaves less than one more needs
         files = [f for f in (run / "checkpoints/step_000048").rglob("*") if f.is_file()]
         checkpoint = sum(-(-f.stat().st_size // 4096) * 4096 for f in files)  # in whole pages, as tmpfs

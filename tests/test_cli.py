@@ -128,6 +128,27 @@ def test_predict_texts_and_files(trained, tmp_path):
     expected = Classifier.from_run(str(run)).predict(["love", "hate", "very good book indeed"])
     assert list(table["label"]) == [r["label"] for r in expected]
 
+    # the input's other columns come through, so that results join back; a gold `label` column stays the
+    # user's and the prediction is `label_predicted`
+    source = tmp_path / "orders.csv"
+    orders = pd.DataFrame(
+        {"order_id": [17, 4, 9], "text": ["love", "hate", "very good book indeed"], "label": ["a", "b", "c"]}
+    )
+    orders.to_csv(source, index=False)
+    assert invoke("predict", run, "--input", source, "--output", out).exit_code == 0
+    table = pd.read_csv(out)
+    assert list(table.columns) == ["order_id", "label", "text", "label_predicted", "p_negative", "p_positive"]
+    assert list(table["order_id"]) == [17, 4, 9] and list(table["label"]) == ["a", "b", "c"]
+    assert list(table["label_predicted"]) == [r["label"] for r in expected]
+    result = invoke("predict", run, "--input", source)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["order_id"], r["label"], r["label_predicted"]) for r in lines] == [  # a CSV cell: as written
+        ("17", "a", expected[0]["label"]),
+        ("4", "b", expected[1]["label"]),
+        ("9", "c", expected[2]["label"]),
+    ]
+
 
 def test_bad_input_exits_2_before_creating_a_run(tmp_path, toy_csv):
     out = tmp_path / "run"

@@ -254,11 +254,10 @@ def predict(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
 ) -> None:
-    """Classify texts given as arguments or in a file; prints JSON lines unless --output is set."""
-    import pandas as pd
-
+    """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
+    file's other columns (ids, metadata) come first in each result, so that it joins back."""
     from loracls.data import read_table
-    from loracls.predict import Classifier
+    from loracls.predict import Classifier, prediction_lines, write_predictions
 
     try:
         if bool(texts) == bool(input):
@@ -267,6 +266,7 @@ def predict(
         if classifier.int8:
             console.print(int8_line(classifier.int8), soft_wrap=True)
         column = text_column or classifier.text_column
+        frame = None
         if input is not None:
             frame = read_table(input)
             if column not in frame.columns:
@@ -279,24 +279,10 @@ def predict(
     except LoraclsError as e:
         fail(e)
     if output is None:
-        for record in records:
-            sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+        for line in prediction_lines(records, frame, column):
+            sys.stdout.write(line + "\n")
         return
-    if output.suffix.lower() == ".csv":
-        rows = [
-            {
-                "text": r["text"],
-                "label": r["label"] if "label" in r else ",".join(map(str, r["labels"])),
-                **{f"p_{k}": v for k, v in r["probabilities"].items()},
-                **({"response": r["response"]} if generate else {}),
-            }
-            for r in records
-        ]
-        pd.DataFrame(rows).to_csv(output, index=False)
-    else:
-        output.write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8"
-        )
+    write_predictions(output, records, frame, column)
     console.print(f"{len(records)} predictions written to {output}")
 
 
