@@ -40,7 +40,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
-from loracls.files import atomic_folder, write_text
+from loracls.files import atomic_folder, disk_full, no_space, write_text, written_file
 from loracls.output import console
 from loracls.runs import RunFolder
 
@@ -51,8 +51,6 @@ ADAPTER = "adapter"
 SPLIT_FILES = ("data/train.jsonl", "data/val.jsonl", "data/test.jsonl")
 NOT_TRAINING = ("out", "save_every", "keep_checkpoints", "track", "smoke_test")
 """Config fields a resume may change: where and how often checkpoints are kept, tracking, the smoke test."""
-MIN_FREE_BYTES = 2**20
-"""After a failed write, less free space than this on the checkpoint's disk means the disk filled up."""
 
 
 @dataclass
@@ -199,8 +197,8 @@ def write_error(error: Exception, step: int, tmp: Path, final: Path, run_path: P
     """The error of a failed checkpoint write, with its `.tmp` removed: ENOSPC when the disk is full."""
     code = next((e.errno for e in causes(error) if isinstance(e, OSError) and e.errno), None)
     written = sorted((f for f in tmp.rglob("*") if f.is_file()), key=lambda f: f.stat().st_mtime_ns)
-    filename = getattr(error, "filename", None) or (str(written[-1]) if written else str(tmp))
-    if code is None and free_bytes(tmp) < MIN_FREE_BYTES:
+    filename = written_file(error) or (str(written[-1]) if written else str(tmp))
+    if no_space(error) or (code is None and disk_full(tmp)):
         code = errno.ENOSPC
     shutil.rmtree(tmp, ignore_errors=True)
     reason = f"No space left on device ({filename})" if code == errno.ENOSPC else f"{error} ({filename})"
@@ -222,13 +220,6 @@ def causes(error: BaseException) -> list[BaseException]:
         found.append(error)
         error = error.__cause__ or error.__context__
     return found
-
-
-def free_bytes(path: Path) -> int:
-    """Free space for an unprivileged writer on the filesystem holding `path` (or its nearest parent)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 def sync_folder(folder: Path, files: bool = True) -> None:

@@ -52,6 +52,9 @@ def no_space(error: BaseException) -> bool:
 def disk_full(folder: Path) -> bool:
     """Whether the disk holding `folder` is (nearly) full: torch's writer reports ENOSPC only as
     "unexpected pos N vs M", so an error while the disk is full is taken as the full disk."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:  # a temporary folder that was never made
+        folder = folder.parent
     try:
         return shutil.disk_usage(folder).free < 2**20
     except OSError:
