@@ -24,9 +24,9 @@ from common import write_result
 
 from loracls.config import TrainConfig
 from loracls.data import load_splits
-from loracls.model import load_tokenizer, resolve_model
+from loracls.model import load_causal_lm, load_tokenizer, resolve_model
 from loracls.prompts import candidate_prompts, pin_prompt
-from loracls.zeroshot import choose_prompt, load_causal_lm, run_baseline
+from loracls.zeroshot import choose_prompt, run_baseline
 
 
 def main() -> None:

@@ -112,8 +112,9 @@ def test_a_verbalizer_head_starts_where_the_real_prompt_does():
     from loracls.config import TrainConfig
     from loracls.data import tokenize
     from loracls.evaluate import predict_probs
+    from loracls.model import load_causal_lm
     from loracls.prompts import Prompter, answer_tokens, resolve_prompt
-    from loracls.zeroshot import label_log_probs, load_causal_lm
+    from loracls.zeroshot import label_log_probs
 
     path = resolve_model("gemma3-270m")
     tokenizer, lm = load_tokenizer(path), load_causal_lm(path)

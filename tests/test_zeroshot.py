@@ -9,7 +9,7 @@ import torch
 from loracls import zeroshot
 from loracls.config import PromptConfig, TrainConfig
 from loracls.errors import LoraclsError
-from loracls.model import load_tokenizer
+from loracls.model import load_causal_lm, load_tokenizer
 from loracls.prompts import (
     TEMPLATES,
     Prompt,
@@ -26,7 +26,6 @@ from loracls.zeroshot import (
     choose_prompt,
     draw_shots,
     label_log_probs,
-    load_causal_lm,
     run_baseline,
 )
 from tests.conftest import invoke, toy_reviews

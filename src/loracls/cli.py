@@ -29,17 +29,11 @@ def print_version(asked: bool) -> None:
     """`--version`: loracls's version and the libraries it runs on, without importing them."""
     if not asked:
         return
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
+    from loracls.doctor import package_version
 
     names = ("torch", "transformers", "peft", "accelerate")
-    libraries = ", ".join(f"{name} {installed(name)}" for name in names)
-    typer.echo(f"loracls {installed('loracls')} ({libraries})")
+    libraries = ", ".join(f"{name} {(package_version(name) or 'not installed')}" for name in names)
+    typer.echo(f"loracls {(package_version('loracls') or 'not installed')} ({libraries})")
     raise typer.Exit()
 
 
@@ -226,7 +220,7 @@ def evaluate(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
-    from loracls.evaluate import evaluate_run
+    from loracls.predict import evaluate_run
 
     try:
         metrics, out = evaluate_run(run_dir, data, allow_unfinished, int8)
@@ -458,7 +452,8 @@ def export(
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers; an `objective: lm` run: a
     causal LM) or the adapter alone."""
-    from loracls.export import export_run, read_export_info
+    from loracls.export import export_run
+    from loracls.export_format import read_export_info
 
     try:
         folder = export_run(run_dir, out, adapter_only, allow_unfinished, int8)

@@ -17,10 +17,12 @@ import signal
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags, cpu_has_fast_bf16, cpu_has_fast_int8
+from loracls.errors import LoraclsError
 from loracls.rocm import (
     ISA_FAMILIES,
     ROCM_VERSION_FILES,
@@ -345,22 +347,24 @@ def check_packages(facts: Facts, backend: str) -> list[Finding]:
     return findings
 
 
+def package_version(name: str) -> str | None:
+    """An installed distribution's version, None when it is not installed; imports nothing of it."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def collect_facts() -> Facts:
     """Read torch, the environment and the ROCm tools of this machine (each tool only when present)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def package(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
     env = {
         k: v
         for k, v in os.environ.items()
         if k.startswith(("HSA_OVERRIDE_GFX_VERSION", "HIP_VISIBLE", "CUDA_VISIBLE", "ROCR_VISIBLE"))
     }
-    packages = {name: package(name) for name in ("transformers", "peft", "accelerate", "bitsandbytes")}
+    packages = {
+        name: package_version(name) for name in ("transformers", "peft", "accelerate", "bitsandbytes")
+    }
     facts = Facts(platform_python(), None, None, None, [], [], env, packages)
     try:
         import torch
@@ -518,8 +522,6 @@ def crash_hint(facts: Facts | None) -> str:
 
 def check_quantization(device, facts: Facts | None) -> None:
     """`--quantize 4bit` only where bitsandbytes' 4-bit kernels run: a GPU on which a 4-bit layer works."""
-    from loracls.errors import LoraclsError
-
     if device.type != "cuda":
         raise LoraclsError(
             f"--quantize 4bit needs a GPU: bitsandbytes' 4-bit kernels run on CUDA (and on ROCm with a build "
@@ -537,8 +539,6 @@ def check_quantization(device, facts: Facts | None) -> None:
 
 def check_before_training(device: str, facts: Facts) -> None:
     """The doctor's smoke test before a GPU run loads any model: a misaligned stack fails in seconds."""
-    from loracls.errors import LoraclsError
-
     result = smoke_test(device, facts)
     if not result.ok:
         raise LoraclsError(

@@ -11,18 +11,15 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from loracls.cpu import check_int8_cpu
+from loracls.doctor import package_version
 from loracls.errors import LoraclsError
+from loracls.export_format import EXPORT_INFO, INT8_RANGES
 from loracls.files import atomic_folder, share_as_umask_allows
 from loracls.model import from_pretrained, load_tokenizer
 from loracls.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
 from loracls.prompts import input_prompter
-from loracls.runs import RunFolder, package_version, write_json
+from loracls.runs import RunFolder, write_json
 from loracls.sizing import eval_batch_size
-
-EXPORT_INFO = "loracls.json"
-"""Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
-INT8_RANGES = "int8_ranges.safetensors"
-"""Written by `export --int8`: the calibrated input ranges `loracls.int8.quantize` smooths with."""
 
 
 def export_run(
@@ -101,11 +98,6 @@ def export_run(
         )
         share_as_umask_allows(tmp)
     return out
-
-
-def read_export_info(folder: Path) -> dict:
-    """An export's `loracls.json`, as `export_run` wrote it."""
-    return json.loads((Path(folder) / EXPORT_INFO).read_text(encoding="utf-8"))
 
 
 def verify_export(folder: Path, labels: list[str], objective: str = "head") -> None:

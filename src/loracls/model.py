@@ -23,7 +23,11 @@ from transformers import (
 )
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
+)
 
 from loracls.errors import LoraclsError
 from loracls.files import build_once
@@ -366,3 +370,28 @@ def describe(model: PreTrainedModel) -> str:
         f"{type(model).__name__}: hidden size {config.hidden_size}, {config.num_hidden_layers} layers, "
         f"{total:,} parameters"
     )
+
+
+def load_causal_lm(
+    path: str, trust_remote_code: bool = False, allow_pickle: bool = False, attention: str | None = None
+) -> PreTrainedModel:
+    """The language model with its LM head, in `BASE_DTYPE`, in eval mode; of a multimodal checkpoint only
+    the text part is loaded. `attention`: the attention kernel (`sdpa`, `eager`; default transformers')."""
+    check_remote_code(path, trust_remote_code)
+    check_weight_files(path, allow_pickle)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    text = config.get_text_config()
+    if text is not config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        cls, key_mapping = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)], LANGUAGE_MODEL_KEYS
+        config = text
+    else:
+        cls, key_mapping = AutoModelForCausalLM, None
+    return cls.from_pretrained(
+        path,
+        config=config,
+        dtype=BASE_DTYPE,
+        key_mapping=key_mapping,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=None if allow_pickle else True,
+        attn_implementation=attention,
+    ).eval()

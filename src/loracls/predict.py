@@ -17,16 +17,23 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls import int8 as int8_module
 from loracls.cpu import check_int8_cpu
-from loracls.data import label_value, tokenize
+from loracls.data import label_names, label_value, read_labelled, separator, tokenize
 from loracls.errors import LoraclsError
-from loracls.evaluate import indicator, predict_probs, predicted_labels, rounded
+from loracls.evaluate import (
+    indicator,
+    predict_probs,
+    predicted_labels,
+    rounded,
+    score,
+    write_predictions_jsonl,
+)
+from loracls.export_format import EXPORT_INFO, INT8_RANGES, read_export_info
 from loracls.files import atomic_folder
-from loracls.model import from_pretrained, load_classifier, load_tokenizer, resolve_model
+from loracls.model import from_pretrained, load_causal_lm, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import LanguageModel, Objective
 from loracls.prompts import Prompter, input_prompter
 from loracls.runs import RunFolder, write_json
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
-from loracls.zeroshot import load_causal_lm
 
 
 def merge_adapter(
@@ -108,8 +115,6 @@ class Classifier:
             if int8:
                 return int8_from_run(path, allow_unfinished)
             return cls.from_run(path, device, allow_unfinished)
-        from loracls.export import EXPORT_INFO  # export writes the format; it imports this module
-
         if (path / EXPORT_INFO).is_file():
             return cls.from_export(path, torch.device("cpu") if int8 else device, int8)
         raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
@@ -161,8 +166,6 @@ class Classifier:
         cls, path: str | Path, device: torch.device | None = None, int8: bool = False
     ) -> Classifier:
         path = Path(path)
-        from loracls.export import INT8_RANGES, read_export_info
-
         info = read_export_info(path)
         if int8 and not (info.get("int8") or {}).get("passed"):
             raise LoraclsError(
@@ -313,6 +316,40 @@ def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:
     tuned = run.file("thresholds.json")
     found = json.loads(tuned.read_text(encoding="utf-8")) if tuned.is_file() else {}
     return [found.get(name, 0.5) for name in labels]
+
+
+def evaluate_run(
+    run_dir: str | Path, data: str | None = None, allow_unfinished: bool = False, int8: bool = False
+) -> tuple[dict, Path]:
+    """Score a run's best checkpoint, as the run scored it, on its test split (reproducing `metrics.json`)
+    or on another labelled file; writes `RUN/eval/<name>/metrics.json` and `predictions.jsonl`
+    (`int8`: with the int8 CPU path, into `RUN/eval/<name>-int8/`)."""
+    run = RunFolder(Path(run_dir))
+    run.check_finished(allow_unfinished)
+    cfg = run.read_config()
+    if data is None:
+        table = run.read_split("test")
+    else:
+        table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
+    classifier = Classifier.load(run.path, allow_unfinished=allow_unfinished, int8=int8)
+    unknown = sorted(label_names(table["label"]) - set(classifier.labels))
+    if unknown:
+        raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
+    probs = classifier.predict_probs(list(table["text"]))
+    thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
+    metrics = score(table, probs, classifier.labels, thresholds)
+    out = run.file("eval") / ((Path(data).stem if data else "test") + ("-int8" if int8 else ""))
+    out.mkdir(parents=True, exist_ok=True)
+    write_predictions_jsonl(
+        out / "predictions.jsonl",
+        table,
+        probs,
+        classifier.labels,
+        thresholds=thresholds,
+        label_type=classifier.label_type,
+    )
+    write_json(out / "metrics.json", metrics)
+    return metrics, out
 
 
 def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classifier:

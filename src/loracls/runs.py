@@ -25,7 +25,6 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import yaml
 
 from loracls.config import TrainConfig
 from loracls.data import Splits
+from loracls.doctor import package_version
 from loracls.errors import LoraclsError
 from loracls.files import recover_folder, write_text
 from loracls.output import console
@@ -283,13 +283,6 @@ def write_json(path: Path, value: Any) -> None:
 def write_jsonl(path: Path, table: pd.DataFrame) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, table.to_json(orient="records", lines=True, force_ascii=False))
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def device_info(device: torch.device) -> dict[str, Any]:

@@ -32,7 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loracls.batcher import Batcher, Job, Metrics, ServeError
 from loracls.data import label_value
 from loracls.errors import LoraclsError
+from loracls.export_format import EXPORT_INFO, read_export_info
+from loracls.output import console
 from loracls.predict import Classifier
+from loracls.runs import RunFolder
 
 
 @dataclass
@@ -364,9 +367,6 @@ def check_texts(texts: list[str], limits: ServeLimits) -> None:
 def describe_model(path: Path, allow_unfinished: bool = False) -> dict:
     """What `/info` and `/v1/models` say of a run or an export, read from its files; refuses what
     `loracls predict` refuses (an unfinished run, a folder that is neither)."""
-    from loracls.export import EXPORT_INFO, read_export_info
-    from loracls.runs import RunFolder
-
     if (path / "status.json").is_file():
         run = RunFolder(path)
         run.check_finished(allow_unfinished)
@@ -461,8 +461,6 @@ def serve(
     """Run the service until SIGINT/SIGTERM (queued requests are answered first); returns the exit code:
     0, or 1 when the model failed to load or the worker died. A port in use is refused before the model
     loads (`LoraclsError`)."""
-    from loracls.output import console
-
     path = Path(path)
     info = describe_model(path, allow_unfinished) | {"int8": None}
     sock = bind(host, port)
@@ -490,7 +488,9 @@ def serve(
             if server.server.should_exit:
                 return
             time.sleep(0.05)
-        console.print(f"ready: {info['name']} ({', '.join(map(str, info['labels']))}) on http://{host}:{port}")
+        console.print(
+            f"ready: {info['name']} ({', '.join(map(str, info['labels']))}) on http://{host}:{port}"
+        )
         batcher.thread.join()
         if batcher.died is not None:
             console.print(f"[red]{batcher.closed_reason()}: exiting 1 for a supervisor to restart it[/]")

@@ -36,6 +36,7 @@ from loracls.files import write_text
 from loracls.output import console
 from loracls.report import compare_runs, plt, png, run_summary
 from loracls.runs import RunFolder
+from loracls.train import resume, train
 
 SWEEP_KEYS = ("out", "base", "grid", "runs")
 SIZE_KEYS = ("max_train_examples", "train_fraction")
@@ -90,8 +91,6 @@ def load_sweep(path: Path) -> tuple[Path, list[Point]]:
 
 def run_sweep(path: Path) -> tuple[Path, pd.DataFrame, list[str]]:
     """Run every point not yet finished; returns the sweep folder, the results and the failed points."""
-    from loracls.train import resume, train
-
     out, points = load_sweep(path)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(path, out / "sweep.yaml")

@@ -31,7 +31,7 @@ from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
 from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
 from loracls.lora import apply_lora, targets_line, targets_table
-from loracls.model import describe, load_classifier, load_tokenizer, resolve_model
+from loracls.model import describe, load_causal_lm, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, LanguageModel, Objective
 from loracls.output import console
 from loracls.prompts import Prompter, answer_tokens, candidate_prompts, input_prompter, pin_prompt
@@ -42,7 +42,6 @@ from loracls.zeroshot import (
     baseline_line,
     baseline_summary,
     choose_prompt,
-    load_causal_lm,
     prompt_line,
     run_baseline,
 )

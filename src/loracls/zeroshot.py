@@ -18,8 +18,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from sklearn.metrics import cohen_kappa_score
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
 from loracls.data import (
@@ -31,7 +30,7 @@ from loracls.data import (
 )
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
-from loracls.model import BASE_DTYPE, LANGUAGE_MODEL_KEYS, check_remote_code, check_weight_files
+from loracls.model import load_causal_lm
 from loracls.objective import label_log_probs
 from loracls.prompts import (
     Prompt,
@@ -224,31 +223,6 @@ def prompt_line(choice: PromptChoice) -> str:
         f"prompt: chose {choice.prompt.name} ({format_verbalizers(choice.prompt.words)}) by zero-shot "
         f"macro-F1 on {choice.sample} training examples: {scores}"
     )
-
-
-def load_causal_lm(
-    path: str, trust_remote_code: bool = False, allow_pickle: bool = False, attention: str | None = None
-) -> PreTrainedModel:
-    """The language model with its LM head, in `BASE_DTYPE`, in eval mode; of a multimodal checkpoint only
-    the text part is loaded. `attention`: the attention kernel (`sdpa`, `eager`; default transformers')."""
-    check_remote_code(path, trust_remote_code)
-    check_weight_files(path, allow_pickle)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    text = config.get_text_config()
-    if text is not config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        cls, key_mapping = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)], LANGUAGE_MODEL_KEYS
-        config = text
-    else:
-        cls, key_mapping = AutoModelForCausalLM, None
-    return cls.from_pretrained(
-        path,
-        config=config,
-        dtype=BASE_DTYPE,
-        key_mapping=key_mapping,
-        trust_remote_code=trust_remote_code,
-        use_safetensors=None if allow_pickle else True,
-        attn_implementation=attention,
-    ).eval()
 
 
 def calibrate(probs: np.ndarray, content_free: np.ndarray) -> np.ndarray:
