@@ -12,8 +12,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import loracls
 from loracls.errors import LoraclsError
 from loracls.export import export_run, verify_export
+from loracls.export_format import EXPORT_INFO, folder_kind
 from loracls.model import load_classifier, load_tokenizer
+from loracls.predict import Classifier
 from loracls.runs import RunFolder
+from loracls.serve import describe_model
 from tests.conftest import FAMILIES, invoke
 
 TEXTS = ["good story", "awful plot, very long and bad", "love"]
@@ -173,3 +176,18 @@ def test_reload_check_catches_weights_saved_under_foreign_names(trained, exporte
     check_reload(exported["gemma4mm"], classifier)
     with pytest.raises(LoraclsError, match="failed its reload check"):
         check_reload(folder, classifier)
+
+
+def test_a_folder_is_a_run_an_export_or_refused_alike_by_predict_and_serve(tmp_path):
+    run, export, other = tmp_path / "run", tmp_path / "export", tmp_path / "other"
+    for folder in (run, export, other):
+        folder.mkdir()
+    (run / "status.json").write_text('{"state": "finished"}')
+    (export / EXPORT_INFO).write_text("{}")
+    (other / "model.safetensors").write_text("")
+    assert (folder_kind(run), folder_kind(export)) == ("run", "export")
+    refusal = f"{other} is neither a loracls run folder nor a loracls export folder"
+    for read in (folder_kind, Classifier.load, describe_model):
+        with pytest.raises(LoraclsError) as error:
+            read(other)
+        assert str(error.value) == refusal

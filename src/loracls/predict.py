@@ -27,7 +27,7 @@ from loracls.evaluate import (
     score,
     write_predictions_jsonl,
 )
-from loracls.export_format import EXPORT_INFO, INT8_RANGES, read_export_info
+from loracls.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.files import atomic_folder
 from loracls.model import from_pretrained, load_causal_lm, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import LanguageModel, Objective
@@ -111,13 +111,11 @@ class Classifier:
             raise LoraclsError(f"--int8 is a CPU inference path; the device here is {device}")
         if int8:
             check_int8_cpu()
-        if (path / "status.json").is_file():
+        if folder_kind(path) == "run":
             if int8:
                 return int8_from_run(path, allow_unfinished)
             return cls.from_run(path, device, allow_unfinished)
-        if (path / EXPORT_INFO).is_file():
-            return cls.from_export(path, torch.device("cpu") if int8 else device, int8)
-        raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
+        return cls.from_export(path, torch.device("cpu") if int8 else device, int8)
 
     @classmethod
     def from_run(

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loracls.batcher import Batcher, Job, Metrics, ServeError
 from loracls.data import label_value
 from loracls.errors import LoraclsError
-from loracls.export_format import EXPORT_INFO, read_export_info
+from loracls.export_format import folder_kind, read_export_info
 from loracls.output import console
 from loracls.predict import Classifier
 from loracls.runs import RunFolder
@@ -367,19 +367,17 @@ def check_texts(texts: list[str], limits: ServeLimits) -> None:
 def describe_model(path: Path, allow_unfinished: bool = False) -> dict:
     """What `/info` and `/v1/models` say of a run or an export, read from its files; refuses what
     `loracls predict` refuses (an unfinished run, a folder that is neither)."""
-    if (path / "status.json").is_file():
+    if folder_kind(path) == "run":
         run = RunFolder(path)
         run.check_finished(allow_unfinished)
         cfg = run.read_config()
         labels, base, objective, multi = run.read_labels(), cfg.model, cfg.objective, cfg.multi_label
         label_type = cfg.label_type
-    elif (path / EXPORT_INFO).is_file():
+    else:
         export = read_export_info(path)
         labels, base = export["labels"], export["base_model"]
         objective, multi = export.get("objective", "head"), export.get("thresholds") is not None
         label_type = export.get("label_type", "str")
-    else:
-        raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
     return {
         "name": path.resolve().name,
         "labels": [label_value(label, label_type) for label in labels],
