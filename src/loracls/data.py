@@ -48,7 +48,12 @@ class Splits:
 
     @property
     def label2id(self) -> dict[str, int]:
-        return {name: i for i, name in enumerate(self.labels)}
+        return label_ids(self.labels)
+
+
+def label_ids(labels: list[str]) -> dict[str, int]:
+    """Each label's class index: its place in the run's label order (`labels.json`, the head's rows)."""
+    return {name: i for i, name in enumerate(labels)}
 
 
 def load_splits(cfg: TrainConfig) -> Splits:

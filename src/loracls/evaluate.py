@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.batching import LengthGroupedBatches
-from loracls.data import label_value
+from loracls.data import label_ids, label_value
 from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
 
@@ -181,5 +181,5 @@ def score(
     """Metrics of `probs` against the table's labels; with `thresholds`, as a multi-label task."""
     if thresholds is not None:
         return compute_multilabel_metrics(indicator(table, labels), (probs >= thresholds).astype(int), labels)
-    label2id = {name: i for i, name in enumerate(labels)}
+    label2id = label_ids(labels)
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)

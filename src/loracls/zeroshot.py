@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loracls.config import PromptConfig, TrainConfig
 from loracls.data import (
     BUILTIN_DATASETS,
+    label_ids,
     load_splits,
     read_labelled,
     sort_labels,
@@ -167,7 +168,8 @@ def choose_prompt(
     if train is None or train.empty:
         return PromptChoice(candidates[0], [], 0)
     sample = stratified_sample(train, cfg.prompt_sample, cfg.seed)
-    gold = np.array([labels.index(x) for x in sample["label"]])
+    label2id = label_ids(labels)
+    gold = np.array([label2id[x] for x in sample["label"]])
     rows = [{"template": p.name, "verbalizers": format_verbalizers(p.words)} for p in candidates]
     readable: dict[str, list[tuple[int, dict[str, list[int]]]]] = {}  # rendered prompt -> candidates
     chat = bool(cfg.chat_template)
