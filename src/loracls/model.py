@@ -308,15 +308,15 @@ def load_classifier(
             ),
             "device_map": {"": torch.cuda.current_device()},
         }
-    model, info = cls.from_pretrained(
+    model, info = read_weights(
+        cls,
         path,
-        config=config,
-        dtype=BASE_DTYPE,
+        config,
+        key_mapping,
+        trust_remote_code,
+        allow_pickle,
+        attention,
         output_loading_info=True,
-        trust_remote_code=trust_remote_code,
-        key_mapping=key_mapping,
-        use_safetensors=None if allow_pickle else True,
-        attn_implementation=attention,
         **quantized,
     )
     if quantized:
@@ -372,20 +372,27 @@ def describe(model: PreTrainedModel) -> str:
     )
 
 
-def load_causal_lm(
-    path: str, trust_remote_code: bool = False, allow_pickle: bool = False, attention: str | None = None
-) -> PreTrainedModel:
-    """The language model with its LM head, in `BASE_DTYPE`, in eval mode; of a multimodal checkpoint only
-    the text part is loaded. `attention`: the attention kernel (`sdpa`, `eager`; default transformers')."""
-    check_remote_code(path, trust_remote_code)
-    check_weight_files(path, allow_pickle)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+def causal_lm_class(config: PretrainedConfig) -> tuple[type[PreTrainedModel], PretrainedConfig, dict | None]:
+    """As `classifier_class`, for the language model with its LM head: of a multimodal checkpoint the text
+    model's causal-LM class, its config and the key mapping; otherwise transformers' auto class."""
     text = config.get_text_config()
     if text is not config and type(text) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        cls, key_mapping = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)], LANGUAGE_MODEL_KEYS
-        config = text
-    else:
-        cls, key_mapping = AutoModelForCausalLM, None
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(text)], text, LANGUAGE_MODEL_KEYS
+    return AutoModelForCausalLM, config, None
+
+
+def read_weights(
+    cls: type[PreTrainedModel],
+    path: str,
+    config: PretrainedConfig,
+    key_mapping: dict | None,
+    trust_remote_code: bool,
+    allow_pickle: bool,
+    attention: str | None,
+    **options,
+):
+    """`cls.from_pretrained` as loracls reads every base: in `BASE_DTYPE`, safetensors only unless pickles
+    are allowed (`check_weight_files`), a multimodal checkpoint's text weights renamed by `key_mapping`."""
     return cls.from_pretrained(
         path,
         config=config,
@@ -394,4 +401,18 @@ def load_causal_lm(
         trust_remote_code=trust_remote_code,
         use_safetensors=None if allow_pickle else True,
         attn_implementation=attention,
-    ).eval()
+        **options,
+    )
+
+
+def load_causal_lm(
+    path: str, trust_remote_code: bool = False, allow_pickle: bool = False, attention: str | None = None
+) -> PreTrainedModel:
+    """The language model with its LM head, in `BASE_DTYPE`, in eval mode; of a multimodal checkpoint only
+    the text part is loaded. `attention`: the attention kernel (`sdpa`, `eager`; default transformers')."""
+    check_remote_code(path, trust_remote_code)
+    check_weight_files(path, allow_pickle)
+    cls, config, key_mapping = causal_lm_class(
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    )
+    return read_weights(cls, path, config, key_mapping, trust_remote_code, allow_pickle, attention).eval()
