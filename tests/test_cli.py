@@ -51,7 +51,10 @@ def test_train_writes_the_whole_run_folder(trained, family):
     assert env["doctor"]["backend"] == "cpu" and env["doctor"]["can_train"]
 
     metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["test"]["n"] == 12 and 0 <= metrics["test"]["accuracy"] <= 1
+    written = [json.loads(line) for line in (run / "test_predictions.jsonl").read_text().splitlines()]
+    right = sum(r["predicted"] == r["gold"] for r in written)
+    assert metrics["test"]["n"] == len(written) == 12
+    assert metrics["test"]["accuracy"] == pytest.approx(right / 12)
     assert set(metrics["test"]["per_class"]) == {"negative", "positive"}
     assert sum(map(sum, metrics["test"]["confusion_matrix"])) == 12
     assert metrics["train"]["examples_per_s"] > 0 and metrics["train"]["tokens_per_s"] > 0
