@@ -1,0 +1,55 @@
+"""The training sampler (`batching.py`): length-grouped, optionally label-balanced batches."""
+
+import random
+
+from loracls.batching import LengthGroupedBatches
+
+
+def test_length_grouped_batches_cover_every_example_once():
+    lengths = [(i * 37) % 101 + 1 for i in range(1000)]
+    sampler = LengthGroupedBatches(lengths, batch_size=16, shuffle=True, seed=3)
+    epochs = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(1000))
+        epochs.append(flat)
+        # within a mega-batch examples are sorted, so batches are nearly uniform in length
+        spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+        assert spread < 10
+    assert epochs[0] != epochs[1]
+    # length_grouping 1: random batches, every example once, lengths as mixed as the data
+    batches = list(LengthGroupedBatches(lengths, batch_size=16, shuffle=True, seed=3, group=1))
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches) / len(batches)
+    assert spread > 60
+
+
+def test_balanced_batches_keep_the_label_mix_where_length_goes_with_the_label():
+    rng = random.Random(0)
+    labels = [rng.choice("ab") for _ in range(960)]
+    lengths = [rng.randint(20, 100) if y == "a" else rng.randint(5, 60) for y in labels]  # "a" texts longer
+
+    def share_of_a(batches):
+        return [sum(labels[i] == "a" for i in b) / len(b) for b in batches]
+
+    sorted_batches = LengthGroupedBatches(lengths, 16, True, seed=1).batches()
+    balanced = LengthGroupedBatches(lengths, 16, True, seed=1, labels=labels).batches()
+    assert sorted(i for b in balanced for i in b) == list(range(960))
+    assert sum(s in (0, 1) for s in share_of_a(sorted_batches)) > 15  # a plain sort: one-label batches
+    overall = labels.count("a") / 960
+    assert max(abs(s - overall) for s in share_of_a(balanced)) <= 0.1  # each batch keeps the mix
+    # within each label the batch is still of similar length: padding stays far below random batches
+    random_batches = LengthGroupedBatches(lengths, 16, True, seed=1, group=1).batches()
+
+    def padded(batches):
+        return sum(max(lengths[i] for i in b) * len(b) for b in batches)
+
+    assert padded(sorted_batches) < padded(balanced) < 0.85 * padded(random_batches)
+
+
+def test_eval_batches_are_sorted_by_length():
+    lengths = [5, 1, 9, 3, 7]
+    batches = LengthGroupedBatches(lengths, batch_size=2, shuffle=False).batches()
+    assert batches == [[1, 3], [0, 4], [2]]
