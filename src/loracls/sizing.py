@@ -24,8 +24,6 @@ from filelock import FileLock
 from loracls.cpu import cpu_has_fast_bf16
 from loracls.errors import LoraclsError
 from loracls.files import write_text
-from loracls.lora import decoder_layers, plan_for_model
-from loracls.model import BASE_DTYPE, cache_dir, empty_classifier, resolve_model
 
 CPU_MICRO_BATCH = 16
 """The micro-batch cap on a CPU: larger ones gain nothing there and pad more within a batch."""
@@ -94,6 +92,8 @@ def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int:
 
 
 def probe_cache() -> Path:
+    from loracls.model import cache_dir
+
     return cache_dir() / "micro_batch.json"
 
 
@@ -226,6 +226,9 @@ def memory_estimate(
     twice that in fp32, per micro-batch of `batch_size` on each device. A planning figure, not a promise:
     allocator overhead and kernels vary.
     """
+    from loracls.lora import decoder_layers, plan_for_model
+    from loracls.model import BASE_DTYPE, empty_classifier, resolve_model
+
     skeleton = empty_classifier(resolve_model(model), ["a", "b"])
     config = skeleton.config.get_text_config()
     plan = plan_for_model(model, "attn-qv", 8)
