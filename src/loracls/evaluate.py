@@ -66,10 +66,16 @@ def predict_probs(
             model(**{k: v.to(device) for k, v in collate([inputs[i] for i in spare]).items()})
     model.train(was_training)
     if accelerator is not None and accelerator.num_processes > 1:
-        done = np.concatenate(batches) if batches else np.zeros(0, dtype=int)
-        for indices, part in gather_object([(done, probs[done])]):
-            probs[indices] = part
+        gather_rows(probs, np.concatenate(batches) if batches else np.zeros(0, dtype=int))
     return probs
+
+
+def gather_rows(table: np.ndarray, mine: np.ndarray) -> np.ndarray:
+    """Sharded scoring's end: each process filled the rows `mine` of `table` (its share); afterwards every
+    process holds every process's rows, in place."""
+    for rows, part in gather_object([(mine, table[mine])]):
+        table[rows] = part
+    return table
 
 
 def compute_metrics(gold: list[int], pred: list[int], labels: list[str]) -> dict:

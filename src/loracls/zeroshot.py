@@ -16,7 +16,6 @@ import numpy as np
 import pandas as pd
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
 from sklearn.metrics import cohen_kappa_score
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -30,7 +29,7 @@ from loracls.data import (
     stratified_sample,
 )
 from loracls.errors import LoraclsError
-from loracls.evaluate import score, write_predictions_jsonl
+from loracls.evaluate import gather_rows, score, write_predictions_jsonl
 from loracls.model import load_causal_lm
 from loracls.objective import label_log_probs
 from loracls.prompts import (
@@ -298,12 +297,10 @@ def run_baseline(
         if processes is None or processes.num_processes == 1:
             return label_log_probs(model, tokenizer, prompts, token_lists, batch_size)
         # every n-th prompt per process; the shares are put back in order on every process
-        n, rank = processes.num_processes, processes.process_index
-        mine = label_log_probs(model, tokenizer, prompts[rank::n], token_lists, batch_size)
+        mine = np.arange(processes.process_index, len(prompts), processes.num_processes)
         scores = np.zeros((len(prompts), len(token_lists)))
-        for r, share in enumerate(gather_object([mine])):
-            scores[r::n] = share
-        return scores
+        scores[mine] = label_log_probs(model, tokenizer, [prompts[i] for i in mine], token_lists, batch_size)
+        return gather_rows(scores, mine)
 
     scores = log_probs(texts, order)
     content_free = softmax(log_probs(list(CONTENT_FREE), order)).mean(axis=0)
