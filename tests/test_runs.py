@@ -375,3 +375,41 @@ def test_a_damaged_run_file_is_an_error_naming_it(name, text, command, trained, 
     assert result.exit_code == 2, result.output
     assert str(run / name) in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("objective", ["head", "lm"])
+def test_config_yaml_is_written_once_resolved_before_training(objective, tiny_models, tmp_path, monkeypatch):
+    """What a run decides for itself (the prompt, the head's start or the chat template, the micro-batch) is
+    decided before training, and config.yaml is written once, with all of it, before `fit()` starts."""
+    import yaml
+
+    from loracls import train
+
+    out, data = tmp_path / "run", tmp_path / "reviews.csv"
+    toy_reviews(64).to_csv(data, index=False)
+    writes, seen = [], {}
+    original = RunFolder.write_config
+
+    def counted(self, cfg):
+        writes.append(cfg.to_dict())
+        original(self, cfg)
+
+    def no_training(*args, **kwargs):
+        seen["config"] = yaml.safe_load((out / "config.yaml").read_text())
+        raise KeyboardInterrupt("stopped by the test")
+
+    monkeypatch.setattr(RunFolder, "write_config", counted)
+    monkeypatch.setattr(train, "fit", no_training)
+    options = ["--epochs", "1", "--batch-size", "8", "--max-length", "64", "--no-baseline"]
+    options += ["--objective", objective]
+    result = invoke("train", "--model", tiny_models["llama"], "--data", data, "--out", out, *options)
+    assert result.exit_code != 0 and "stopped by the test" in result.output, result.output
+    assert len(writes) == 1, writes
+    config = seen["config"]
+    assert config == writes[0]
+    assert config["micro_batch_size"] is not None
+    if objective == "head":
+        assert config["head_init"] in ("zero", "verbalizer")
+        assert config["head_init"] == "zero" or config["prompt"] != "auto"
+    else:
+        assert config["prompt"] != "auto" and config["chat_template"] is not None

@@ -27,7 +27,7 @@ TOPICS = {
 
 
 def loss_fn(cfg: TrainConfig, train_set: Dataset) -> torch.nn.Module:
-    return ClassificationHead.for_training(cfg, train_set, 2, torch.device("cpu")).loss_fn
+    return ClassificationHead.weighted(cfg, train_set, 2, torch.device("cpu")).loss_fn
 
 
 def topics(n: int, seed: int = 0) -> pd.DataFrame:

@@ -454,18 +454,14 @@ def export(
     causal LM) or the adapter alone."""
     from loracls.export import export_run
     from loracls.export_format import read_export_info
+    from loracls.objective import objective_kind
 
     try:
         folder = export_run(run_dir, out, adapter_only, allow_unfinished, int8)
     except LoraclsError as e:
         fail(e)
     info = read_export_info(folder)
-    if info.get("objective") == "lm":
-        kind = (
-            "merged causal LM (checked: config, tokenizer, reloaded logits; loads with AutoModelForCausalLM)"
-        )
-    else:
-        kind = "merged classifier (checked: config, head, tokenizer, reloaded logits)"
+    kind = objective_kind(info.get("objective", "head")).exported
     console.print(f"{'adapter' if adapter_only else kind} written to {folder}", soft_wrap=True)
     merged_into = info.get("merged_into")
     if merged_into:

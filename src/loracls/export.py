@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
 
 from loracls.cpu import check_int8_cpu
 from loracls.doctor import package_version
 from loracls.errors import LoraclsError
 from loracls.export_format import EXPORT_INFO, INT8_RANGES
 from loracls.files import atomic_folder, share_as_umask_allows
-from loracls.model import from_pretrained, load_tokenizer
+from loracls.model import load_tokenizer
+from loracls.objective import input_prompter, objective_kind
 from loracls.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
-from loracls.prompts import input_prompter
 from loracls.runs import RunFolder, write_json
 from loracls.sizing import eval_batch_size
 
@@ -54,7 +55,7 @@ def export_run(
     with atomic_folder(out, ".partial") as tmp:
         if adapter_only:
             shutil.copytree(run.best, tmp, dirs_exist_ok=True)
-            prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels) if cfg.prompted else None
+            prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels)
         else:
             classifier = Classifier.from_run(
                 run.path, torch.device("cpu"), allow_unfinished, full_precision=True
@@ -62,7 +63,7 @@ def export_run(
             classifier.model.save_pretrained(tmp)
             classifier.tokenizer.save_pretrained(tmp)
             verify_export(tmp, labels, cfg.objective)
-            check_reload(tmp, classifier, cfg.objective)
+            check_reload(tmp, classifier)
             prompter = classifier.prompter
         int8_check = None
         if int8:  # the merged fp32 classifier just saved, quantised in place: not loaded a second time
@@ -91,7 +92,7 @@ def export_run(
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
                 "prompt": prompter.to_json() if prompter else None,
                 "objective": cfg.objective,
-                "label_tokens": prompter.label_tokens() if cfg.objective == "lm" else None,
+                "label_tokens": objective_kind(cfg.objective).label_tokens(prompter),
                 "int8": int8_check,
                 "loracls": package_version("loracls"),
             },
@@ -110,15 +111,12 @@ def verify_export(folder: Path, labels: list[str], objective: str = "head") -> N
     problems = []
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     architecture = (config.get("architectures") or ["(none)"])[0]
-    wanted, kind = (
-        ("ForCausalLM", "causal LM")
-        if objective == "lm"
-        else ("ForSequenceClassification", "sequence classifier")
-    )
+    head = objective_kind(objective).trains_head
+    wanted, kind = objective_kind(objective).architecture
     if not architecture.endswith(wanted):
         problems.append(f"config.json names architecture {architecture}, not a {kind}")
     id2label = config.get("id2label", {})
-    if objective == "head" and (
+    if head and (
         [id2label.get(str(i)) for i in range(len(labels))] != labels or len(id2label) != len(labels)
     ):
         problems.append(f"config.json id2label {id2label} does not match the run's labels {labels}")
@@ -129,7 +127,7 @@ def verify_export(folder: Path, labels: list[str], objective: str = "head") -> N
         with safe_open(file, "pt") as f:
             shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})  # noqa: SIM118
     heads = {k: v for k, v in shapes.items() if k.split(".")[-2:-1] in (["score"], ["classifier"])}
-    if objective == "head" and not any(shape[0] == len(labels) for shape in heads.values()):
+    if head and not any(shape[0] == len(labels) for shape in heads.values()):
         problems.append(f"no classification head with {len(labels)} outputs among the saved weights")
     leftovers = [k for k in shapes if "lora_" in k or "modules_to_save" in k]
     if leftovers:
@@ -140,28 +138,19 @@ def verify_export(folder: Path, labels: list[str], objective: str = "head") -> N
         raise LoraclsError(f"Export to {folder} failed its checks: " + "; ".join(problems))
 
 
-def check_reload(folder: Path, classifier: Classifier, objective: str = "head") -> None:
-    """Load `folder` the way users will (`AutoModelForCausalLM` for `objective="lm"`) and compare its
-    logits with the merged model's on a probe batch.
+def check_reload(folder: Path, classifier: Classifier) -> None:
+    """Load `folder` the way users will (the objective's `load_as_users_do`) and compare the objective's
+    class probabilities on probe texts with the merged model's.
 
     This catches what file checks cannot: weights saved under names the class does not load (they would be
     silently re-initialised) or a config that rebuilds a different model.
     """
-    if objective == "lm":
-        reloaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    else:
-        reloaded = from_pretrained(str(folder), dtype=torch.float32).eval()
-    batch = classifier.tokenizer(
-        ["a short text", "a somewhat longer text to classify, with padding after the first"],
-        padding=True,
-        return_tensors="pt",
-    )
-    with torch.no_grad():
-        expected = classifier.model(**batch).logits
-        got = reloaded(**batch).logits
-    gap = float((expected - got).abs().max())
-    if not gap <= 1e-3 * max(1.0, float(expected.abs().max())):
+    reloaded = dataclasses.replace(classifier, model=type(classifier.objective).load_as_users_do(str(folder)))
+    probe = ["a short text", "a somewhat longer text to classify, with padding after the first"]
+    gap = float(np.abs(classifier.predict_probs(probe) - reloaded.predict_probs(probe)).max())
+    if not gap <= 1e-4:
         raise LoraclsError(
-            f"Export to {folder} failed its reload check: logits of the reloaded model differ from the "
-            f"merged model's by {gap:.3g}. Some weights were not saved under the names the model loads."
+            f"Export to {folder} failed its reload check: class probabilities of the reloaded model differ "
+            f"from the merged model's by {gap:.3g}. Some weights were not saved under the names the model "
+            "loads."
         )

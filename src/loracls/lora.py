@@ -13,6 +13,7 @@ from rich.table import Table
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
 from loracls.model import empty_classifier, head_name, resolve_model
+from loracls.objective import objective_kind
 from loracls.output import console
 
 PRESETS: dict[str, tuple[str, ...] | None] = {
@@ -246,7 +247,7 @@ def plan_for_model(
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, TargetPlan]:
     """Add LoRA to the planned targets; a classifier's head is named in `modules_to_save` so it is trained
     and saved (under `objective: lm` the LM head stays frozen: LoRA alone is trained)."""
-    head = cfg.objective == "head"
+    head = objective_kind(cfg.objective).trains_head
     plan = plan_targets(model, cfg.target_modules, cfg.lora_r, cfg.allow_few_targets, head_trained=head)
     lora_config = LoraConfig(
         task_type=TaskType.SEQ_CLS if head else TaskType.CAUSAL_LM,

@@ -4,24 +4,36 @@ class probabilities.
 `fit()`, validation, the final test, `eval`, `predict` and `export` call only `loss`, `probs` and
 `classes`: the classification head (`ClassificationHead`) and instruction tuning (`LanguageModel`: the
 causal-LM loss on the response, classes read from the label words' log-probabilities) are two classes with
-these methods, not two loops. As peft's tuners sit behind one interface, nothing else asks which it holds.
+these methods, not two loops. What else differs between them is asked of the class that `objective_kind`
+names for a config's `objective`: how the base model loads, how a text is read (`prompter`), what LoRA
+trains, what the training set holds, how an export is checked and reloaded, what is refused. As peft's tuners
+sit behind one interface, nothing else asks which objective it holds; a third objective is a third class
+here and an entry in `OBJECTIVES`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
+import pandas as pd
 import torch
+from accelerate import Accelerator
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
-from loracls.prompts import Prompter
+from loracls.data import tokenize_responses
+from loracls.errors import LoraclsError
+from loracls.model import from_pretrained, load_causal_lm, load_classifier
+from loracls.prompts import Prompt, Prompter, answer_tokens, resolve_prompt
 
 
 class Objective(Protocol):
+    generates: ClassVar[bool]
+    """The model can say more than the class (`predict --generate`, serve's `generate`)."""
+
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The scalar training loss of a padded batch with `labels`."""
 
@@ -41,6 +53,88 @@ class ClassificationHead:
     loss_fn: torch.nn.Module | None = None
     """The training loss (`for_training`); None for inference only."""
 
+    name: ClassVar[str] = "head"
+    trains_head: ClassVar[bool] = True
+    """LoRA wraps a sequence classifier whose new head is trained and saved with it (`modules_to_save`)."""
+    architecture: ClassVar[tuple[str, str]] = ("ForSequenceClassification", "sequence classifier")
+    """How an export's `config.json` names the class (its suffix), in words."""
+    exported: ClassVar[str] = "merged classifier (checked: config, head, tokenizer, reloaded probabilities)"
+    """What `loracls export` says it wrote."""
+    generates: ClassVar[bool] = False
+    """The model can say more than the class (`predict --generate`, serve's `generate`)."""
+
+    @staticmethod
+    def load(path: str, labels: list[str], **options) -> PreTrainedModel:
+        """The base model LoRA wraps: a classifier with a new head (`load_classifier` and its `options`:
+        trust_remote_code, head_init, allow_pickle, multi_label, quantize, attention, mixed_precision,
+        head_rows)."""
+        return load_classifier(path, labels, **options)
+
+    @staticmethod
+    def load_export(path: str) -> PreTrainedModel:
+        """A merged export, as loracls and its users load it: `AutoModelForSequenceClassification` with
+        loracls's classes registered (`model.from_pretrained`)."""
+        return from_pretrained(path, dtype=torch.float32)
+
+    @staticmethod
+    def load_as_users_do(path: str) -> PreTrainedModel:
+        """A merged export the way a plain-transformers user loads it (what `check_reload` compares)."""
+        return from_pretrained(path, dtype=torch.float32).eval()
+
+    @staticmethod
+    def prompter(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]) -> Prompter | None:
+        """A verbaliser-initialised head reads each text inside the prompt, followed by the start its
+        labels' words share (the head's rows read the token after it); any other head reads the text."""
+        if cfg.head_init != "verbalizer":
+            return None
+        prompt = pinned_prompt(cfg, labels)
+        answer = answer_tokens(tokenizer, prompt, labels)
+        if answer is None:
+            raise LoraclsError(
+                f"head_init: verbalizer needs a different token for each label where their words part; the "
+                f"verbalisers {prompt.words} share it. Give others with --verbalizers label=word,..."
+            )
+        return Prompter(tokenizer, prompt, [], cfg.max_length, answer[0])
+
+    @staticmethod
+    def pin_defaults(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        """What is decided before the prompt: a multi-label run starts its head at zero (`head_init: auto`
+        reads one label word per text)."""
+        if cfg.head_init == "auto" and cfg.multi_label:
+            cfg.head_init = "zero"
+
+    @staticmethod
+    def needs_prompt(cfg: TrainConfig) -> bool:
+        """The head starts from the prompt's label words (`verbalizer`, or `auto` deciding whether to)."""
+        return cfg.head_init in ("verbalizer", "auto")
+
+    @staticmethod
+    def why_prompt(cfg: TrainConfig) -> str | None:
+        if cfg.head_init in ("auto", "verbalizer"):
+            return f"the head's start (head_init: {cfg.head_init}; --head-init zero: raw text, no prompt)"
+        return None
+
+    @staticmethod
+    def one_token_answers(cfg: TrainConfig) -> bool:
+        """The prompt search keeps only prompts whose labels part at one token (what the head's rows read)."""
+        return cfg.head_init == "verbalizer"
+
+    @staticmethod
+    def training_set(tokenized: Dataset, table: pd.DataFrame, prompter: Prompter | None, label2id) -> Dataset:
+        """What `fit()` trains on: the texts as the model reads them, with their labels."""
+        return tokenized
+
+    @staticmethod
+    def label_tokens(prompter: Prompter | None) -> None:
+        """What an export records of the label words' tokens: nothing (the head scores the classes)."""
+        return None
+
+    @classmethod
+    def for_inference(
+        cls, model: torch.nn.Module, prompter: Prompter | None, labels: list[str]
+    ) -> ClassificationHead:
+        return cls.for_model(model)
+
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> ClassificationHead:
         """The objective a saved classifier was trained with, read from its config (`problem_type`)."""
@@ -48,10 +142,22 @@ class ClassificationHead:
 
     @classmethod
     def for_training(
-        cls, cfg: TrainConfig, train_set: Dataset, num_labels: int, device: torch.device
+        cls,
+        cfg: TrainConfig,
+        train_set: Dataset,
+        prompter: Prompter | None,
+        labels: list[str],
+        accelerator: Accelerator,
     ) -> ClassificationHead:
         """The loss of `cfg`, weighted against class imbalance with `class_weights`: inverse class frequency
         (single-label), or negatives/positives per label (multi-label)."""
+        return cls.weighted(cfg, train_set, len(labels), accelerator.device)
+
+    @classmethod
+    def weighted(
+        cls, cfg: TrainConfig, train_set: Dataset, num_labels: int, device: torch.device
+    ) -> ClassificationHead:
+        """`for_training`'s loss on `device`."""
         targets = torch.tensor(train_set["labels"])
         if cfg.multi_label:
             positives = targets.sum(dim=0)
@@ -93,6 +199,80 @@ class LanguageModel:
     weight: torch.Tensor | None = None
     """Per class, the weight of its examples' response tokens in the loss (`class_weights`); None: equal."""
 
+    name: ClassVar[str] = "lm"
+    trains_head: ClassVar[bool] = False
+    """LoRA alone is trained: the causal LM's own head stays frozen."""
+    architecture: ClassVar[tuple[str, str]] = ("ForCausalLM", "causal LM")
+    exported: ClassVar[str] = (
+        "merged causal LM (checked: config, tokenizer, reloaded probabilities; loads with "
+        "AutoModelForCausalLM)"
+    )
+    generates: ClassVar[bool] = True
+
+    @staticmethod
+    def load(
+        path: str,
+        labels: list[str],
+        trust_remote_code: bool = False,
+        allow_pickle: bool = False,
+        attention: str | None = None,
+        **head_options,
+    ) -> PreTrainedModel:
+        """The base model LoRA wraps: the causal LM with its LM head (`load_causal_lm`). `head_options`
+        shape a classifier's head (head_init, head_rows, multi_label...): not a causal LM's business
+        (config refuses `quantize` and multi-label for it)."""
+        return load_causal_lm(path, trust_remote_code, allow_pickle, attention)
+
+    @staticmethod
+    def load_export(path: str) -> PreTrainedModel:
+        """A merged export as loracls loads it: `load_causal_lm` (no pickles, no remote code)."""
+        return load_causal_lm(path)
+
+    @staticmethod
+    def load_as_users_do(path: str) -> PreTrainedModel:
+        """A merged export the way a plain-transformers user loads it: `AutoModelForCausalLM`."""
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @staticmethod
+    def prompter(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]) -> Prompter:
+        """Every text is read inside the prompt (in the chat template if the run used it); the label words
+        follow it as they are, scored token by token."""
+        prompt = pinned_prompt(cfg, labels)
+        return Prompter(tokenizer, prompt, [], cfg.max_length, chat=bool(cfg.chat_template))
+
+    @staticmethod
+    def pin_defaults(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        """What is decided before the prompt: prompts go in the chat template when the tokenizer has one."""
+        if cfg.chat_template is None:
+            cfg.chat_template = tokenizer.chat_template is not None
+
+    @staticmethod
+    def needs_prompt(cfg: TrainConfig) -> bool:
+        return True
+
+    @staticmethod
+    def why_prompt(cfg: TrainConfig) -> str | None:
+        return "objective: lm, which reads every text inside the prompt"
+
+    @staticmethod
+    def one_token_answers(cfg: TrainConfig) -> bool:
+        return False
+
+    @staticmethod
+    def training_set(tokenized: Dataset, table: pd.DataFrame, prompter: Prompter, label2id) -> Dataset:
+        """What `fit()` trains on: each prompt followed by its label's words and response
+        (`tokenize_responses`); validation and the test score the prompt alone (`tokenized`)."""
+        return tokenize_responses(table, prompter, label2id)
+
+    @staticmethod
+    def label_tokens(prompter: Prompter) -> dict[str, list[int]]:
+        """What an export records of the label words: each label's tokens after the prompt."""
+        return prompter.label_tokens()
+
+    @classmethod
+    def for_inference(cls, model: torch.nn.Module, prompter: Prompter, labels: list[str]) -> LanguageModel:
+        return cls.reading(prompter, labels)
+
     @classmethod
     def reading(
         cls, prompter: Prompter, labels: list[str], weight: torch.Tensor | None = None
@@ -104,10 +284,21 @@ class LanguageModel:
 
     @classmethod
     def for_training(
-        cls, cfg: TrainConfig, train_set: Dataset, prompter: Prompter, labels: list[str], device: torch.device
+        cls,
+        cfg: TrainConfig,
+        train_set: Dataset,
+        prompter: Prompter,
+        labels: list[str],
+        accelerator: Accelerator,
     ) -> LanguageModel:
-        weight = class_weights(train_set["labels"], len(labels)).to(device) if cfg.class_weights else None
-        return cls.reading(prompter, labels, weight)
+        """The response loss, each class's tokens weighted with `class_weights`; refused under FSDP."""
+        if accelerator.is_fsdp2:
+            raise LoraclsError(
+                "objective: lm is not supported under FSDP (its scorer runs a varying number of forward "
+                "passes per batch); use DDP, or objective: head"
+            )
+        weight = class_weights(train_set["labels"], len(labels)) if cfg.class_weights else None
+        return cls.reading(prompter, labels, None if weight is None else weight.to(accelerator.device))
 
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean cross-entropy over every response token of a right-padded batch with `response_start`."""
@@ -190,3 +381,30 @@ def label_log_probs(
             for i, k, position, token in items:
                 scores[i, k] += float(log_probs[row, column[position], token])
     return scores
+
+
+OBJECTIVES: dict[str, type[ClassificationHead] | type[LanguageModel]] = {
+    "head": ClassificationHead,
+    "lm": LanguageModel,
+}
+"""The objectives by the name `TrainConfig.objective` (and an export's `loracls.json`) gives them."""
+
+
+def objective_kind(name: str) -> type[ClassificationHead] | type[LanguageModel]:
+    """The objective class `name` stands for (config validation has refused any other name)."""
+    return OBJECTIVES[name]
+
+
+def pinned_prompt(cfg: TrainConfig, labels: list[str]) -> Prompt:
+    """The run's prompt as config.yaml pinned it; refused while it is still `auto`."""
+    if cfg.prompt == "auto":
+        raise LoraclsError("the run's prompt was never chosen (config.yaml says prompt: auto)")
+    return resolve_prompt(labels, [], cfg)
+
+
+def input_prompter(
+    tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]
+) -> Prompter | None:
+    """How a run's model reads a text: inside the run's pinned prompt (a verbaliser-initialised head, or an
+    `objective: lm` run, in the chat template if the run used it), or as it is (None)."""
+    return objective_kind(cfg.objective).prompter(tokenizer, cfg, labels)

@@ -29,9 +29,9 @@ from loracls.evaluate import (
 )
 from loracls.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.files import atomic_folder
-from loracls.model import from_pretrained, load_causal_lm, load_classifier, load_tokenizer, resolve_model
-from loracls.objective import LanguageModel, Objective
-from loracls.prompts import Prompter, input_prompter
+from loracls.model import load_tokenizer, resolve_model
+from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
+from loracls.prompts import Prompter
 from loracls.runs import RunFolder, write_json
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
 
@@ -55,17 +55,14 @@ def merge_adapter(
     """
     tokenizer = load_tokenizer(str(adapter))
     path = resolve_model(base_model)
-    if objective == "lm":
-        base = load_causal_lm(path, trust_remote_code, allow_pickle)
-    else:
-        base = load_classifier(
-            path,
-            labels,
-            trust_remote_code,
-            allow_pickle=allow_pickle,
-            multi_label=multi_label,
-            quantize=quantize,
-        )
+    base = objective_kind(objective).load(
+        path,
+        labels,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        multi_label=multi_label,
+        quantize=quantize,
+    )
     base.config.pad_token_id = tokenizer.pad_token_id
     model = PeftModel.from_pretrained(base, str(adapter))
     return (model if quantize else model.merge_and_unload()), tokenizer
@@ -89,11 +86,15 @@ class Classifier:
     """The prompt each text is read inside (a verbaliser-initialised run, `objective: lm`); None: the text
     as it is."""
     objective: Objective | None = None
-    """How a batch becomes class probabilities; None: the model's classification head."""
+    """How a batch becomes class probabilities (None: the model's classification head, `for_model`)."""
     int8: dict | None = None
     """With the decoder's linear layers in int8 (CPU): how it compared with fp32 on the run's test split."""
     label_type: str = "str"
     """`int`: `predict` gives labels as integers, as the training data had them (`label_value`)."""
+
+    def __post_init__(self) -> None:
+        if self.objective is None:
+            self.objective = ClassificationHead.for_model(self.model)
 
     @classmethod
     def load(
@@ -155,7 +156,7 @@ class Classifier:
             cfg.text_column,
             run_thresholds(run, labels) if cfg.multi_label else None,
             prompter=prompter,
-            objective=LanguageModel.reading(prompter, labels) if cfg.objective == "lm" else None,
+            objective=objective_kind(cfg.objective).for_inference(model, prompter, labels),
             label_type=cfg.label_type,
         )
 
@@ -173,10 +174,7 @@ class Classifier:
         objective = info.get("objective", "head")
         if info["merged"]:
             tokenizer = load_tokenizer(str(path))
-            if objective == "lm":
-                model = load_causal_lm(str(path))
-            else:
-                model = from_pretrained(str(path), dtype=torch.float32)
+            model = objective_kind(objective).load_export(str(path))
         else:
             multi_label = info.get("thresholds") is not None
             model, tokenizer = merge_adapter(
@@ -196,7 +194,7 @@ class Classifier:
             info["text_column"],
             info.get("thresholds"),
             prompter=prompter,
-            objective=LanguageModel.reading(prompter, info["labels"]) if objective == "lm" else None,
+            objective=objective_kind(objective).for_inference(model, prompter, info["labels"]),
             label_type=info.get("label_type", "str"),
         )
         if int8:
@@ -228,7 +226,7 @@ class Classifier:
     def generate(self, texts: list[str], max_new_tokens: int = 64) -> list[str]:
         """What an `objective: lm` model says after each text's prompt: greedy decoding of at most
         `max_new_tokens` tokens, one text at a time (no padding to get wrong), special tokens dropped."""
-        if not isinstance(self.objective, LanguageModel):
+        if not self.objective.generates:
             raise LoraclsError("--generate needs a model trained with objective: lm (this one has a head)")
         device = next(self.model.parameters()).device
         answers = []

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from loracls.config import PromptConfig, TrainConfig
+from loracls.config import PromptConfig
 from loracls.errors import LoraclsError
 
 
@@ -307,24 +307,3 @@ class Prompter:
             sequences.append(ids + response + [self.tokenizer.eos_token_id])
             starts.append(len(ids))
         return sequences, starts
-
-
-def input_prompter(
-    tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]
-) -> Prompter | None:
-    """How a run's model reads a text: inside the run's pinned prompt (a verbaliser-initialised head, or an
-    `objective: lm` run, in the chat template if the run used it), or as it is (None)."""
-    if not cfg.prompted:
-        return None
-    if cfg.prompt == "auto":
-        raise LoraclsError("the run's prompt was never chosen (config.yaml says prompt: auto)")
-    prompt = resolve_prompt(labels, [], cfg)
-    if cfg.objective == "lm":  # the label words follow the prompt as they are, scored token by token
-        return Prompter(tokenizer, prompt, [], cfg.max_length, chat=bool(cfg.chat_template))
-    answer = answer_tokens(tokenizer, prompt, labels)
-    if answer is None:
-        raise LoraclsError(
-            f"head_init: verbalizer needs a different token for each label where their words part; the "
-            f"verbalisers {prompt.words} share it. Give others with --verbalizers label=word,..."
-        )
-    return Prompter(tokenizer, prompt, [], cfg.max_length, answer[0])

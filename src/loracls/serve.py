@@ -33,6 +33,7 @@ from loracls.batcher import Batcher, Job, Metrics, ServeError
 from loracls.data import label_value
 from loracls.errors import LoraclsError
 from loracls.export_format import folder_kind, read_export_info
+from loracls.objective import objective_kind
 from loracls.output import console
 from loracls.predict import Classifier
 from loracls.runs import RunFolder
@@ -273,7 +274,7 @@ def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -
         texts = [body.input] if isinstance(body.input, str) else body.input
         generate = None
         if body.generate:
-            if info["objective"] != "lm":
+            if not objective_kind(info["objective"]).generates:
                 raise ServeError(
                     422, "generate needs a model trained with objective: lm (this one has a head)"
                 )

@@ -24,17 +24,17 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from loracls import checkpoints
 from loracls.config import TrainConfig
 from loracls.cpu import emulated_bf16_warning
-from loracls.data import Splits, load_splits, tokenize, tokenize_responses, truncated_share
+from loracls.data import Splits, load_splits, tokenize, truncated_share
 from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
 from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
 from loracls.lora import apply_lora, targets_line, targets_table
-from loracls.model import describe, load_causal_lm, load_classifier, load_tokenizer, resolve_model
-from loracls.objective import ClassificationHead, LanguageModel, Objective
+from loracls.model import describe, load_causal_lm, load_tokenizer, resolve_model
+from loracls.objective import Objective, input_prompter, objective_kind
 from loracls.output import console
-from loracls.prompts import Prompter, answer_tokens, candidate_prompts, input_prompter, pin_prompt
+from loracls.prompts import answer_tokens, candidate_prompts, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
@@ -70,7 +70,6 @@ def choose_micro_batch(
     tokenizer: PreTrainedTokenizerBase,
     objective: Objective,
     cfg: TrainConfig,
-    run: RunFolder,
     accelerator: Accelerator,
 ) -> None:
     """Set `cfg.micro_batch_size` (probing the device with the objective's loss when unset) and the
@@ -86,7 +85,6 @@ def choose_micro_batch(
     if how != "set":
         console.print(f"micro-batch {size} ({how}; set --micro-batch-size to choose)")
         cfg.micro_batch_size = size
-        run.write_config(cfg)
     accelerator.gradient_accumulation_steps = accumulation(cfg)
 
 
@@ -143,9 +141,8 @@ def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
 
 
 def write_inputs(run: RunFolder, cfg: TrainConfig, splits: Splits) -> None:
-    """What a new run records first: its config, labels and data splits."""
-    run.stage = "writing the run's config and data splits"
-    run.write_config(cfg)
+    """What a new run records first: its labels and data splits (its config once resolved: `train_into`)."""
+    run.stage = "writing the run's data splits"
     run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
     if run.main:
         for name in ("train", "val", "test"):
@@ -277,21 +274,19 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     baseline, head_rows = prompt_stage(model_path, tokenizer, splits, cfg, run, accelerator, resume)
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     run.stage = "loading the model"
-    if cfg.objective == "lm":
-        model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle, cfg.attention)
-    else:
-        model = load_classifier(
-            model_path,
-            splits.labels,
-            cfg.trust_remote_code,
-            cfg.head_init,
-            cfg.allow_pickle,
-            cfg.multi_label,
-            cfg.quantize,
-            cfg.attention,
-            accelerator.mixed_precision,
-            head_rows,
-        )
+    kind = objective_kind(cfg.objective)
+    model = kind.load(
+        model_path,
+        splits.labels,
+        trust_remote_code=cfg.trust_remote_code,
+        head_init=cfg.head_init,
+        allow_pickle=cfg.allow_pickle,
+        multi_label=cfg.multi_label,
+        quantize=cfg.quantize,
+        attention=cfg.attention,
+        mixed_precision=accelerator.mixed_precision,
+        head_rows=head_rows,
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     console.print(describe(model))
     run.stage = "tokenizing the data"
@@ -300,9 +295,8 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         tokenize(t, tokenizer, cfg.max_length, splits.label2id, prompter)
         for t in (splits.train, splits.val, splits.test)
     )
-    if cfg.objective == "lm":  # trained on prompt + response, scored on the prompt alone
-        train_set = tokenize_responses(splits.train, prompter, splits.label2id)
-    objective = training_objective(cfg, train_set, prompter, splits.labels, accelerator)
+    train_set = kind.training_set(train_set, splits.train, prompter, splits.label2id)
+    objective = kind.for_training(cfg, train_set, prompter, splits.labels, accelerator)
     share = truncated_share(splits.train, tokenizer, cfg.max_length)
     if share > 0.05:
         console.print(
@@ -314,7 +308,9 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
     console.print(targets_line(plan))
     speed_options(model, cfg)
-    choose_micro_batch(model, train_set, tokenizer, objective, cfg, run, accelerator)
+    choose_micro_batch(model, train_set, tokenizer, objective, cfg, accelerator)
+    if resume is None:  # resolved now, once: the prompt, the head's start, the chat template, the micro-batch
+        run.write_config(cfg)
 
     run.stage = "training"
     result = fit(model, tokenizer, train_set, val_set, splits, cfg, run, accelerator, objective, resume)
@@ -359,25 +355,6 @@ def end_processes(accelerator: Accelerator) -> None:
     accelerator.wait_for_everyone()
     accelerator.free_memory()
     accelerator.end_training()
-
-
-def training_objective(
-    cfg: TrainConfig,
-    train_set: Dataset,
-    prompter: Prompter | None,
-    labels: list[str],
-    accelerator: Accelerator,
-) -> Objective:
-    """The run's objective: the classification head's loss, or (`objective: lm`) the response loss with
-    each label's words as `prompter` tokenises them."""
-    if cfg.objective == "head":
-        return ClassificationHead.for_training(cfg, train_set, len(labels), accelerator.device)
-    if accelerator.is_fsdp2:
-        raise LoraclsError(
-            "objective: lm is not supported under FSDP (its scorer runs a varying number of forward passes "
-            "per batch); use DDP, or objective: head"
-        )
-    return LanguageModel.for_training(cfg, train_set, prompter, labels, accelerator.device)
 
 
 def make_accelerator(cfg: TrainConfig, run: RunFolder) -> Accelerator:
@@ -435,8 +412,9 @@ def prompt_stage(
     resume: Path | None,
 ) -> tuple[dict | None, torch.Tensor | None]:
     """What needs the base model's LM head, with it loaded once: the prompt (chosen on a training sample
-    with `prompt: auto`, then pinned in `cfg` and config.yaml, recorded in prompt.json; an `objective: lm`
-    run also pins whether it reads prompts in the chat template), the prompt baseline
+    with `prompt: auto`, then pinned in `cfg`, recorded in prompt.json; what else the objective decides
+    first, `pin_defaults`: an `objective: lm` run whether it reads prompts in the chat template), the
+    prompt baseline
     on the test split, and the LM-head rows a verbaliser-initialised head starts from. `head_init: auto`
     is decided here and pinned: `verbalizer` when the chosen prompt's answers on the training sample agree
     with the labels beyond chance (`PromptChoice.informative`), else `zero` (and `zero` for multi-label).
@@ -447,36 +425,30 @@ def prompt_stage(
     stored = None
     if resume is not None and baseline_file.is_file():
         stored = json.loads(baseline_file.read_text(encoding="utf-8"))
-    if cfg.head_init == "auto" and cfg.multi_label:
-        cfg.head_init = "zero"
-        run.write_config(cfg)
-    if cfg.objective == "lm" and cfg.chat_template is None:
-        cfg.chat_template = tokenizer.chat_template is not None
-        run.write_config(cfg)
+    kind = objective_kind(cfg.objective)
+    kind.pin_defaults(cfg, tokenizer)
     wants_baseline = stored is None and baseline_applies(cfg, accelerator)
-    wants_rows = cfg.objective == "head" and cfg.head_init in ("verbalizer", "auto") and resume is None
-    wants_prompt = wants_rows or (cfg.objective == "lm" and resume is None)
+    wants_prompt = resume is None and kind.needs_prompt(cfg)
+    wants_rows = wants_prompt and kind.trains_head
     if not (wants_baseline or wants_prompt):
         return stored, None
     lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
     with accelerator.autocast():
         try:
-            one_token = cfg.objective == "head" and cfg.prompted
+            one_token = kind.one_token_answers(cfg)
             console.print(search_line(cfg, splits, wants_baseline), soft_wrap=True)
             choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=one_token)
         except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
-            if cfg.head_init != "auto" or wants_baseline or cfg.objective == "lm":
+            if not (wants_rows and cfg.head_init == "auto") or wants_baseline:
                 raise
             cfg.head_init = "zero"
-            run.write_config(cfg)
             console.print(f"head_init auto: zero ({e})", soft_wrap=True)
             return stored, None
         pin_prompt(cfg, choice.prompt)
-        if cfg.head_init == "auto" and cfg.objective == "head":
+        if wants_rows and cfg.head_init == "auto":
             readable = answer_tokens(tokenizer, choice.prompt, splits.labels) is not None
             cfg.head_init = "verbalizer" if readable and choice.informative() else "zero"
             console.print(f"head_init auto: {cfg.head_init} ({choice.informative_line()})", soft_wrap=True)
-        run.write_config(cfg)
         run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
         console.print(prompt_line(choice), soft_wrap=True)
         baseline = stored
@@ -499,11 +471,8 @@ def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:
     """Before the prompt search: how much it scores, why it runs at all, and the options that skip it."""
     count = len(candidate_prompts(splits.labels, list(splits.train["text"]), cfg))
     sample = min(cfg.prompt_sample, len(splits.train))
-    why = []
-    if cfg.objective == "lm":
-        why.append("objective: lm, which reads every text inside the prompt")
-    elif cfg.head_init in ("auto", "verbalizer"):
-        why.append(f"the head's start (head_init: {cfg.head_init}; --head-init zero: raw text, no prompt)")
+    why = [objective_kind(cfg.objective).why_prompt(cfg)]
+    why = [reason for reason in why if reason]
     if wants_baseline:
         why.append("the prompt baseline (--no-baseline)")
     what = f"{count} candidate prompts" if count > 1 else "the prompt"
