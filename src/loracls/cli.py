@@ -250,8 +250,8 @@ def predict(
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
     file's other columns (ids, metadata) come first in each result, so that it joins back."""
-    from loracls.data import read_table
     from loracls.predict import Classifier, prediction_lines, write_predictions
+    from loracls.tables import read_table
 
     try:
         if bool(texts) == bool(input):
@@ -300,7 +300,7 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.data import inspect_data
+    from loracls.inspection import inspect_data
 
     try:
         cfg = TrainConfig(
