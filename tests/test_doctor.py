@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from loracls import doctor, sizing
-from loracls.doctor import diagnose, smoke_test
+from loracls.diagnosis import Facts, diagnose
+from loracls.doctor import smoke_test
 from tests.conftest import invoke
 from tests.doctor_machines import MACHINES
 
 
-def with_env(name: str, **env) -> doctor.Facts:
+def with_env(name: str, **env) -> Facts:
     return dataclasses.replace(MACHINES[name], env=env)
 
 

@@ -353,7 +353,8 @@ def doctor(
     devices: Annotated[int, typer.Option(help="Devices FSDP would shard over, for the estimate")] = 8,
 ) -> None:
     """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
-    from loracls.doctor import collect_facts, diagnose, smoke_test
+    from loracls.diagnosis import diagnose
+    from loracls.doctor import collect_facts, smoke_test
     from loracls.sizing import free_memory_gb, memory_estimate
 
     facts = collect_facts()

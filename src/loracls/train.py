@@ -25,7 +25,8 @@ from loracls import checkpoints
 from loracls.config import TrainConfig
 from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits
-from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
+from loracls.diagnosis import Facts, diagnose
+from loracls.doctor import check_before_training, check_quantization, collect_facts
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
