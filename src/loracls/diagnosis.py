@@ -144,97 +144,99 @@ def check_architectures(facts: Facts) -> list[Finding]:
         )
         label = f"GPU {index} {device.name} ({gfx}, {device.memory_gb:.0f} GB)"
         if gfx in built:
-            if override:
-                findings.append(
-                    Finding(
-                        "warn",
-                        "override",
-                        f"{label}: HSA_OVERRIDE_GFX_VERSION={override} is set, but {gfx} is in this torch "
-                        "build and needs no override",
-                        f"unset HSA_OVERRIDE_GFX_VERSION: it makes the runtime load {gfx_from_hsa(override)} "
-                        f"kernels on a {gfx}, which can fault or compute wrong results",
-                    )
-                )
-            else:
-                findings.append(Finding("ok", "arch", f"{label}: in this torch build; no override needed"))
-            continue
-        sibling = next(
-            (base for base, members in ISA_FAMILIES.items() if gfx in members and base in built), None
-        )
-        if override:
-            target = gfx_from_hsa(override)
-            if target is None:
-                findings.append(
-                    Finding(
-                        "error",
-                        "override",
-                        f"HSA_OVERRIDE_GFX_VERSION={override} is malformed",
-                        "use decimal major.minor.stepping, e.g. 10.3.0 (gfx90a would be 9.0.10)",
-                    )
-                )
-            elif hsa_version(target).split(".")[0] != hsa_version(gfx).split(".")[0]:
-                findings.append(
-                    Finding(
-                        "error",
-                        "override",
-                        f"{label}: HSA_OVERRIDE_GFX_VERSION={override} ({target}) crosses a major version",
-                        "kernels of another generation do not run correctly; "
-                        + (
-                            f"use HSA_OVERRIDE_GFX_VERSION={hsa_version(sibling)}"
-                            if sibling
-                            else "this architecture has no supported sibling in the build"
-                        ),
-                    )
-                )
-            elif target in built:
-                findings.append(
-                    Finding(
-                        "ok",
-                        "override",
-                        f"{label}: not in this build; runs as {target} through "
-                        f"HSA_OVERRIDE_GFX_VERSION={override}",
-                    )
-                )
-            else:
-                findings.append(
-                    Finding(
-                        "error",
-                        "override",
-                        f"{label}: HSA_OVERRIDE_GFX_VERSION={override} names {target}, "
-                        "which this torch build does not contain either",
-                        f"built: {', '.join(sorted(built))}",
-                    )
-                )
-            continue
-        if sibling:
-            mixed = len(set(archs)) > 1
-            findings.append(
-                Finding(
-                    "error",
-                    "arch",
-                    f"{label}: {gfx} is not in this torch build (built: {', '.join(sorted(built))}); the "
-                    "first kernel would fail with 'invalid device function' or a memory access fault",
-                    f"export HSA_OVERRIDE_GFX_VERSION={hsa_version(sibling)} (runs it as {sibling}, same ISA)"
-                    + (
-                        f"; with several different GPUs set it per device: HSA_OVERRIDE_GFX_VERSION_{index}="
-                        f"{hsa_version(sibling)} (ROCm 6.2+)"
-                        if mixed
-                        else ""
-                    ),
-                )
-            )
+            findings.append(built_arch_finding(label, gfx, override))
+        elif override:
+            findings.append(override_finding(label, gfx, override, built))
         else:
-            findings.append(
-                Finding(
-                    "error",
-                    "arch",
-                    f"{label}: {gfx} is not in this torch build (built: {', '.join(sorted(built))}) and "
-                    "has no ISA-compatible sibling there",
-                    "install a torch wheel for a newer ROCm release that lists this architecture; an "
-                    "override to another family would compute wrong results or fault",
-                )
-            )
+            findings.append(missing_arch_finding(label, gfx, built, index, mixed=len(set(archs)) > 1))
     return findings
+
+
+def isa_sibling(gfx: str, built: set[str]) -> str | None:
+    """An architecture in the build with the same ISA as `gfx` (whose kernels run on it), if any."""
+    return next((base for base, members in ISA_FAMILIES.items() if gfx in members and base in built), None)
+
+
+def built_arch_finding(label: str, gfx: str, override: str | None) -> Finding:
+    """A GPU whose architecture the wheel has kernels for: an override would only do harm."""
+    if override:
+        return Finding(
+            "warn",
+            "override",
+            f"{label}: HSA_OVERRIDE_GFX_VERSION={override} is set, but {gfx} is in this torch "
+            "build and needs no override",
+            f"unset HSA_OVERRIDE_GFX_VERSION: it makes the runtime load {gfx_from_hsa(override)} "
+            f"kernels on a {gfx}, which can fault or compute wrong results",
+        )
+    return Finding("ok", "arch", f"{label}: in this torch build; no override needed")
+
+
+def override_finding(label: str, gfx: str, override: str, built: set[str]) -> Finding:
+    """A GPU missing from the build, run through HSA_OVERRIDE_GFX_VERSION: does the override land on kernels
+    the build has, of the same generation?"""
+    target = gfx_from_hsa(override)
+    if target is None:
+        return Finding(
+            "error",
+            "override",
+            f"HSA_OVERRIDE_GFX_VERSION={override} is malformed",
+            "use decimal major.minor.stepping, e.g. 10.3.0 (gfx90a would be 9.0.10)",
+        )
+    if hsa_version(target).split(".")[0] != hsa_version(gfx).split(".")[0]:
+        sibling = isa_sibling(gfx, built)
+        return Finding(
+            "error",
+            "override",
+            f"{label}: HSA_OVERRIDE_GFX_VERSION={override} ({target}) crosses a major version",
+            "kernels of another generation do not run correctly; "
+            + (
+                f"use HSA_OVERRIDE_GFX_VERSION={hsa_version(sibling)}"
+                if sibling
+                else "this architecture has no supported sibling in the build"
+            ),
+        )
+    if target in built:
+        return Finding(
+            "ok",
+            "override",
+            f"{label}: not in this build; runs as {target} through HSA_OVERRIDE_GFX_VERSION={override}",
+        )
+    return Finding(
+        "error",
+        "override",
+        f"{label}: HSA_OVERRIDE_GFX_VERSION={override} names {target}, "
+        "which this torch build does not contain either",
+        f"built: {', '.join(sorted(built))}",
+    )
+
+
+def missing_arch_finding(label: str, gfx: str, built: set[str], index: int, mixed: bool) -> Finding:
+    """A GPU missing from the build, with no override: the override that would run it, if one would.
+
+    `mixed` (GPUs of different architectures in one machine) asks for the per-device override."""
+    sibling = isa_sibling(gfx, built)
+    if sibling is None:
+        return Finding(
+            "error",
+            "arch",
+            f"{label}: {gfx} is not in this torch build (built: {', '.join(sorted(built))}) and "
+            "has no ISA-compatible sibling there",
+            "install a torch wheel for a newer ROCm release that lists this architecture; an "
+            "override to another family would compute wrong results or fault",
+        )
+    return Finding(
+        "error",
+        "arch",
+        f"{label}: {gfx} is not in this torch build (built: {', '.join(sorted(built))}); the "
+        "first kernel would fail with 'invalid device function' or a memory access fault",
+        f"export HSA_OVERRIDE_GFX_VERSION={hsa_version(sibling)} (runs it as {sibling}, same ISA)"
+        + (
+            f"; with several different GPUs set it per device: HSA_OVERRIDE_GFX_VERSION_{index}="
+            f"{hsa_version(sibling)} (ROCm 6.2+)"
+            if mixed
+            else ""
+        ),
+    )
 
 
 def check_cuda(facts: Facts) -> list[Finding]:
