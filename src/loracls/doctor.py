@@ -16,13 +16,15 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
-from loracls.diagnosis import Device, Facts, backend_of, diagnose
+from loracls.diagnosis import Device, Facts, Report, backend_of, diagnose
 from loracls.errors import LoraclsError
 from loracls.rocm import (
     ROCM_VERSION_FILES,
@@ -230,3 +232,75 @@ def check_before_training(device: str, facts: Facts) -> None:
         raise LoraclsError(
             f"GPU smoke test failed: {result.diagnosis} (skip with --no-smoke-test only if you know better)"
         )
+
+
+@dataclass
+class Checkup:
+    """What `loracls doctor` found on this machine: facts, verdicts, the smoke test, memory figures."""
+
+    facts: Facts
+    report: Report
+    device: str
+    """`cuda` on a GPU stack (ROCm's too), else `cpu`: where the smoke test ran, what the estimate assumes."""
+    smoke: SmokeResult | None
+    """None where it was not run (`--no-smoke`, or no torch)."""
+    memory: dict = field(default_factory=dict)
+    """`free_gb` (`sizing.free_memory_gb`) and, for a model, `estimate` (`sizing.memory_estimate`), added by
+    the caller: they need torch, which this module does not import."""
+
+    @property
+    def can_train(self) -> bool:
+        return self.report.can_train and (self.smoke is None or self.smoke.ok)
+
+    def to_json(self) -> dict:
+        """What `loracls doctor --json` prints."""
+        return {
+            "facts": asdict(self.facts),
+            **self.report.to_json(),
+            "smoke_test": asdict(self.smoke) if self.smoke else None,
+            "memory": self.memory,
+            "can_train": self.can_train,
+        }
+
+
+def checkup(smoke: bool = True) -> Checkup:
+    """This machine's facts and verdicts, and with `smoke` (where torch is installed) the smoke test."""
+    facts = collect_facts()
+    report = diagnose(facts)
+    device = "cuda" if report.backend in ("cuda", "rocm") else "cpu"
+    return Checkup(facts, report, device, smoke_test(device, facts) if smoke and facts.torch else None)
+
+
+def print_checkup(found: Checkup, console: Console, devices: int = 8) -> None:
+    """What `loracls doctor` prints: each verdict with its advice, the smoke test, memory, the answer.
+
+    `devices` is the FSDP device count the memory estimate was made for."""
+    report, result, memory, device = found.report, found.smoke, found.memory, found.device
+    colours = {"ok": "green", "warn": "yellow", "error": "bold red"}
+    console.print(f"[bold]backend: {report.backend}[/]")
+    for f in report.findings:
+        console.print(f"[{colours[f.level]}]{f.level:5}[/] {f.topic}: {f.message}", soft_wrap=True)
+        if f.advice:
+            console.print(f"      -> {f.advice}", soft_wrap=True, highlight=False)
+    if result is not None:
+        rates = ", ".join(
+            f"{k.removesuffix('_tflops')} {v} TFLOP/s"
+            for k, v in result.details.items()
+            if k.endswith("_tflops")
+        )
+        verdict = f"[green]ok   [/] smoke test on {device}: matmul, attention + backward correct; {rates}"
+        console.print(
+            verdict if result.ok else f"[bold red]error[/] smoke test: {result.diagnosis}", soft_wrap=True
+        )
+        if "bnb_4bit" in result.details:
+            console.print(f"      4-bit linear (bitsandbytes, QLoRA): {result.details['bnb_4bit']}")
+    if "free_gb" in memory:
+        console.print(f"memory free: {memory['free_gb']}")
+    for setup, parts in memory.get("estimate", {}).items():
+        where = f"per device of {devices}" if setup == "fsdp" else "per device"
+        console.print(
+            f"memory estimate {setup:5} ({where}): {parts['total_gb']:.2f} GB = weights "
+            f"{parts['weights_gb']:.2f} + LoRA/optimizer {parts['lora_and_optimizer_gb']:.3f} + "
+            f"activations {parts['activations_gb']:.2f}"
+        )
+    console.print("[bold green]can train[/]" if found.can_train else "[bold red]cannot train as it is[/]")
