@@ -190,7 +190,8 @@ def main() -> int:
 
     from loracls.config import TrainConfig
     from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
-    from loracls.doctor import collect_facts, diagnose, smoke_test
+    from loracls.diagnosis import diagnose
+    from loracls.doctor import collect_facts, smoke_test
     from loracls.model import load_tokenizer
     from loracls.sizing import inference_device
     from loracls.zeroshot import baseline_on_device

@@ -5,14 +5,16 @@ import json
 
 import pytest
 import torch
+from rich.console import Console
 
 from loracls import doctor, sizing
-from loracls.doctor import diagnose, smoke_test
+from loracls.diagnosis import Facts, diagnose
+from loracls.doctor import smoke_test
 from tests.conftest import invoke
 from tests.doctor_machines import MACHINES
 
 
-def with_env(name: str, **env) -> doctor.Facts:
+def with_env(name: str, **env) -> Facts:
     return dataclasses.replace(MACHINES[name], env=env)
 
 
@@ -154,6 +156,24 @@ def test_doctor_command_on_this_machine(monkeypatch):
     result = invoke("doctor", "--no-smoke")
     assert result.exit_code == 1
     assert "HSA_OVERRIDE_GFX_VERSION=10.3.0" in result.output and "cannot train" in result.output
+
+
+def test_checkup_gives_the_doctor_commands_payload_and_text(monkeypatch):
+    monkeypatch.setattr(doctor, "collect_facts", lambda: MACHINES["mi210"])
+    crashed = doctor.SmokeResult(False, {"float32_tflops": 1.5}, "it crashed")
+    monkeypatch.setattr(doctor, "smoke_test", lambda device, facts: crashed)
+    found = doctor.checkup()
+    assert found.device == "cuda" and found.report.can_train and not found.can_train  # the kernels failed
+    payload = found.to_json()
+    assert payload["backend"] == "rocm" and payload["can_train"] is False
+    assert payload["smoke_test"]["diagnosis"] == "it crashed" and payload["facts"]["devices"][0]["arch"]
+    found.memory["free_gb"] = {"cuda:0": 60.0}
+    console = Console(record=True, width=300)
+    doctor.print_checkup(found, console)
+    text = console.export_text()
+    assert "error smoke test: it crashed" in text and "memory free: {'cuda:0': 60.0}" in text
+    assert text.rstrip().endswith("cannot train as it is")
+    assert doctor.checkup(smoke=False).can_train
 
 
 def test_memory_estimate_for_the_tiny_model(tiny_models):

@@ -13,10 +13,10 @@ import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from loracls.config import PromptConfig
-from loracls.data import tokenize
 from loracls.evaluate import predict_probs
 from loracls.model import load_causal_lm, load_classifier, load_tokenizer
 from loracls.prompts import Prompter, answer_tokens, format_verbalizers, resolve_prompt
+from loracls.tokenization import tokenize
 from loracls.zeroshot import label_log_probs
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 

@@ -14,9 +14,10 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
 from loracls.config import TrainConfig
-from loracls.data import load_splits, read_labelled
+from loracls.data import load_splits
 from loracls.evaluate import compute_multilabel_metrics, tune_thresholds
 from loracls.objective import ClassificationHead
+from loracls.tables import read_labelled
 from tests.conftest import FAST, invoke
 
 TOPICS = {

@@ -24,8 +24,8 @@ import numpy as np
 from datasets import Dataset
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from loracls.data import label_value
 from loracls.evaluate import predicted_labels
+from loracls.labels import label_value
 from loracls.predict import Classifier
 
 log = logging.getLogger("loracls.serve")

@@ -6,7 +6,7 @@ import inspect
 import json
 import sys
 import typing
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -250,8 +250,8 @@ def predict(
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
     file's other columns (ids, metadata) come first in each result, so that it joins back."""
-    from loracls.data import read_table
     from loracls.predict import Classifier, prediction_lines, write_predictions
+    from loracls.tables import read_table
 
     try:
         if bool(texts) == bool(input):
@@ -300,7 +300,7 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.data import inspect_data
+    from loracls.inspection import inspect_data
 
     try:
         cfg = TrainConfig(
@@ -353,60 +353,23 @@ def doctor(
     devices: Annotated[int, typer.Option(help="Devices FSDP would shard over, for the estimate")] = 8,
 ) -> None:
     """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
-    from loracls.doctor import collect_facts, diagnose, smoke_test
+    from loracls.doctor import checkup, print_checkup
     from loracls.sizing import free_memory_gb, memory_estimate
 
-    facts = collect_facts()
-    report = diagnose(facts)
-    device = "cuda" if report.backend in ("cuda", "rocm") else "cpu"
-    result = smoke_test(device, facts) if smoke and facts.torch else None
-    memory = {"free_gb": free_memory_gb()} if facts.torch else {}
+    found = checkup(smoke)
+    if found.facts.torch:
+        found.memory["free_gb"] = free_memory_gb()
     try:
         if model:
-            precision = "bf16" if device == "cuda" else "fp32"
-            memory["estimate"] = memory_estimate(model, batch_size, max_length, precision, devices)
+            precision = "bf16" if found.device == "cuda" else "fp32"
+            found.memory["estimate"] = memory_estimate(model, batch_size, max_length, precision, devices)
     except LoraclsError as e:
         fail(e)
-    can_train = report.can_train and (result is None or result.ok)
     if as_json:
-        payload = {
-            "facts": asdict(facts),
-            **report.to_json(),
-            "smoke_test": asdict(result) if result else None,
-            "memory": memory,
-            "can_train": can_train,
-        }
-        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        sys.stdout.write(json.dumps(found.to_json(), indent=2) + "\n")
     else:
-        colours = {"ok": "green", "warn": "yellow", "error": "bold red"}
-        console.print(f"[bold]backend: {report.backend}[/]")
-        for f in report.findings:
-            console.print(f"[{colours[f.level]}]{f.level:5}[/] {f.topic}: {f.message}", soft_wrap=True)
-            if f.advice:
-                console.print(f"      -> {f.advice}", soft_wrap=True, highlight=False)
-        if result is not None:
-            rates = ", ".join(
-                f"{k.removesuffix('_tflops')} {v} TFLOP/s"
-                for k, v in result.details.items()
-                if k.endswith("_tflops")
-            )
-            verdict = f"[green]ok   [/] smoke test on {device}: matmul, attention + backward correct; {rates}"
-            console.print(
-                verdict if result.ok else f"[bold red]error[/] smoke test: {result.diagnosis}", soft_wrap=True
-            )
-            if "bnb_4bit" in result.details:
-                console.print(f"      4-bit linear (bitsandbytes, QLoRA): {result.details['bnb_4bit']}")
-        if "free_gb" in memory:
-            console.print(f"memory free: {memory['free_gb']}")
-        for setup, parts in memory.get("estimate", {}).items():
-            where = f"per device of {devices}" if setup == "fsdp" else "per device"
-            console.print(
-                f"memory estimate {setup:5} ({where}): {parts['total_gb']:.2f} GB = weights "
-                f"{parts['weights_gb']:.2f} + LoRA/optimizer {parts['lora_and_optimizer_gb']:.3f} + "
-                f"activations {parts['activations_gb']:.2f}"
-            )
-        console.print("[bold green]can train[/]" if can_train else "[bold red]cannot train as it is[/]")
-    raise typer.Exit(0 if can_train else 1)
+        print_checkup(found, console, devices)
+    raise typer.Exit(0 if found.can_train else 1)
 
 
 @app.command()

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.batching import LengthGroupedBatches
-from loracls.data import label_ids, label_value
 from loracls.files import write_text
+from loracls.labels import label_ids, label_value
 from loracls.objective import ClassificationHead, Objective
 
 

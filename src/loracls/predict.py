@@ -17,7 +17,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls import int8 as int8_module
 from loracls.cpu import check_int8_cpu
-from loracls.data import label_names, label_value, read_labelled, separator, tokenize
 from loracls.errors import LoraclsError
 from loracls.evaluate import (
     indicator,
@@ -29,11 +28,14 @@ from loracls.evaluate import (
 )
 from loracls.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.files import atomic_folder
+from loracls.labels import label_names, label_value, separator
 from loracls.model import load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
 from loracls.prompts import Prompter
 from loracls.runs import RunFolder, write_json
 from loracls.sizing import eval_batch_size, inference_autocast, inference_device
+from loracls.tables import read_labelled
+from loracls.tokenization import tokenize
 
 
 def merge_adapter(

@@ -24,8 +24,9 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 from loracls import checkpoints
 from loracls.config import TrainConfig
 from loracls.cpu import emulated_bf16_warning
-from loracls.data import Splits, load_splits, tokenize, truncated_share
-from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
+from loracls.data import Splits, load_splits
+from loracls.diagnosis import Facts, diagnose
+from loracls.doctor import check_before_training, check_quantization, collect_facts
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
@@ -38,6 +39,7 @@ from loracls.prompts import answer_tokens, candidate_prompts, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
+from loracls.tokenization import tokenize, truncated_share
 from loracls.zeroshot import (
     baseline_line,
     baseline_summary,

@@ -20,16 +20,10 @@ from sklearn.metrics import cohen_kappa_score
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
-from loracls.data import (
-    BUILTIN_DATASETS,
-    label_ids,
-    load_splits,
-    read_labelled,
-    sort_labels,
-    stratified_sample,
-)
+from loracls.data import load_splits, stratified_sample
 from loracls.errors import LoraclsError
 from loracls.evaluate import gather_rows, score, write_predictions_jsonl
+from loracls.labels import label_ids, sort_labels
 from loracls.model import load_causal_lm
 from loracls.objective import label_log_probs
 from loracls.prompts import (
@@ -43,6 +37,7 @@ from loracls.prompts import (
 )
 from loracls.runs import write_json
 from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
+from loracls.tables import BUILTIN_DATASETS, read_labelled
 
 PROMPT_KAPPA = 0.1
 """The agreement beyond chance (Cohen's kappa) of a prompt's zero-shot answers with the training sample's
