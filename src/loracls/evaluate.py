@@ -115,7 +115,7 @@ def compute_multilabel_metrics(gold: np.ndarray, pred: np.ndarray, labels: list[
     }
 
 
-def indicator(table: pd.DataFrame, labels: list[str]) -> np.ndarray:
+def label_matrix(table: pd.DataFrame, labels: list[str]) -> np.ndarray:
     """The multi-label gold labels as a 0/1 matrix (examples, labels)."""
     return np.array([[name in names for name in labels] for names in table["label"]], dtype=int).reshape(
         len(table), len(labels)
@@ -125,7 +125,7 @@ def indicator(table: pd.DataFrame, labels: list[str]) -> np.ndarray:
 def tune_thresholds(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> np.ndarray:
     """Per label, the threshold in 0.05..0.95 with the best F1 on these (validation) examples; ties go to the
     one nearest 0.5, and a label with no positive example keeps 0.5."""
-    gold = indicator(table, labels)
+    gold = label_matrix(table, labels)
     grid = np.round(np.arange(0.05, 0.951, 0.05), 2)
     best = np.full(len(labels), 0.5)
     for k in range(len(labels)):
@@ -186,6 +186,7 @@ def score(
 ) -> dict:
     """Metrics of `probs` against the table's labels; with `thresholds`, as a multi-label task."""
     if thresholds is not None:
-        return compute_multilabel_metrics(indicator(table, labels), (probs >= thresholds).astype(int), labels)
+        predicted = (probs >= thresholds).astype(int)
+        return compute_multilabel_metrics(label_matrix(table, labels), predicted, labels)
     label2id = label_ids(labels)
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)

@@ -19,7 +19,7 @@ from loracls import int8 as int8_module
 from loracls.cpu import check_int8_cpu
 from loracls.errors import LoraclsError
 from loracls.evaluate import (
-    indicator,
+    label_matrix,
     predict_probs,
     predicted_labels,
     rounded,
@@ -404,7 +404,7 @@ def measure_int8(classifier: Classifier, run: RunFolder) -> tuple[dict, dict[str
         gold, decide = np.array([ids[x] for x in test["label"]]), lambda p: p.argmax(-1)
     else:
         thresholds = np.array(classifier.thresholds)
-        gold, decide = indicator(test, classifier.labels), lambda p: (p >= thresholds).astype(int)
+        gold, decide = label_matrix(test, classifier.labels), lambda p: (p >= thresholds).astype(int)
     return int8_module.parity(decide(reference), decide(candidate), gold), ranges
 
 

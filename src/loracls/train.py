@@ -139,11 +139,11 @@ def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
         processes.wait_for_everyone()  # every process has checked the folder before the main one writes
         run.open()
         cfg.out, cfg.label_type = str(run.path), splits.label_type
-        return guarded(run, cfg, splits, resume=None)
+        return run_with_status(run, cfg, splits, resume=None)
 
 
 def write_inputs(run: RunFolder, cfg: TrainConfig, splits: Splits) -> None:
-    """What a new run records first: its labels and data splits (its config once resolved: `train_into`)."""
+    """What a new run records first: its labels and data splits (its config once resolved: `run_stages`)."""
     run.stage = "writing the run's data splits"
     run.write_json("labels.json", {"id2label": dict(enumerate(splits.labels)), "label2id": splits.label2id})
     if run.main:
@@ -180,7 +180,7 @@ def resume(run_dir: str | Path) -> tuple[RunFolder, dict]:
         step = json.loads((checkpoint / checkpoints.STATE_FILE).read_text(encoding="utf-8"))["step"]
         run.truncate_log(step)  # what the stopped process logged after its last checkpoint is done again
         console.print(f"Resuming {run.path} from {checkpoint.name} (status was: {state})")
-        return guarded(run, cfg, splits, resume=checkpoint)
+        return run_with_status(run, cfg, splits, resume=checkpoint)
 
 
 class StopRequested(KeyboardInterrupt):
@@ -190,7 +190,7 @@ class StopRequested(KeyboardInterrupt):
 @contextlib.contextmanager
 def stop_on_signals(before: str) -> Iterator[None]:
     """For the run's lifetime, SIGINT and SIGTERM raise `StopRequested` wherever the run is, so that
-    `guarded()` records it; one before `guarded()` ends with the message `before`."""
+    `run_with_status()` records it; one before `run_with_status()` ends with the message `before`."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -208,8 +208,10 @@ def stop_on_signals(before: str) -> Iterator[None]:
             signal.signal(number, handler)
 
 
-def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None) -> tuple[RunFolder, dict]:
-    """`train_into()` with `RUN/status.json` saying running, then finished, interrupted or failed, and the
+def run_with_status(
+    run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None
+) -> tuple[RunFolder, dict]:
+    """`run_stages()` with `RUN/status.json` saying running, then finished, interrupted or failed, and the
     run's lock released at the end. A signal, a full disk or an error anywhere ends with a message that
     says what the run was doing and how to continue."""
     try:
@@ -217,7 +219,7 @@ def guarded(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | Non
         if resume is None:
             write_inputs(run, cfg, splits)
         run.recover()
-        metrics = train_into(run, cfg, splits, resume)
+        metrics = run_stages(run, cfg, splits, resume)
         run.stage = "writing the report"
         run.set_status("finished")
         if run.main:  # after the status: the report says whether the run finished
@@ -259,7 +261,7 @@ def record_end(run: RunFolder, state: str, error: str) -> str:
     return ""
 
 
-def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
+def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | None = None) -> dict:
     """The stages of a run, in order, written into an open run folder; returns `RUN/metrics.json`."""
     run.stage = "checking the environment"
     accelerator = make_accelerator(cfg, run)
@@ -273,7 +275,7 @@ def train_into(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_path, cfg.trust_remote_code)
     run.stage = "choosing the prompt and scoring the baseline"
-    baseline, head_rows = prompt_stage(model_path, tokenizer, splits, cfg, run, accelerator, resume)
+    baseline, head_rows = prompt_and_baseline(model_path, tokenizer, splits, cfg, run, accelerator, resume)
     set_seed(cfg.seed)  # here, so the head, LoRA and data order do not depend on whether the baseline ran
     run.stage = "loading the model"
     kind = objective_kind(cfg.objective)
@@ -404,7 +406,7 @@ def record_environment(run: RunFolder, accelerator: Accelerator, facts: Facts, r
     run.record_environment(env, resume)
 
 
-def prompt_stage(
+def prompt_and_baseline(
     model_path: str,
     tokenizer: PreTrainedTokenizerBase,
     splits: Splits,
