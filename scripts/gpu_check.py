@@ -188,13 +188,13 @@ def main() -> int:
 
     import torch
 
+    from loracls.baseline import baseline_on_device
     from loracls.config import TrainConfig
     from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
     from loracls.diagnosis import diagnose
     from loracls.doctor import collect_facts, smoke_test
     from loracls.model import load_tokenizer
     from loracls.sizing import inference_device
-    from loracls.zeroshot import baseline_on_device
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flags = cpu_flags()

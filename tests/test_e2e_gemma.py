@@ -109,12 +109,12 @@ def test_presets_on_the_real_model_without_loading_weights():
 def test_a_verbalizer_head_starts_where_the_real_prompt_does():
     """Gemma 3 270M on 40 real reviews: before any training, the head built from the LM head's rows of
     正面/负面 picks, on every review, the label whose verbaliser token the zero-shot prompt ranks first."""
+    from loracls.baseline import label_log_probs
     from loracls.config import TrainConfig
     from loracls.evaluate import predict_probs
     from loracls.model import load_causal_lm
     from loracls.prompts import Prompter, answer_tokens, resolve_prompt
     from loracls.tokenization import tokenize
-    from loracls.zeroshot import label_log_probs
 
     path = resolve_model("gemma3-270m")
     tokenizer, lm = load_tokenizer(path), load_causal_lm(path)

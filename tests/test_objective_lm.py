@@ -12,13 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding
 
+from loracls.baseline import softmax
 from loracls.config import PromptConfig
 from loracls.evaluate import predict_probs
 from loracls.model import load_causal_lm, load_tokenizer
 from loracls.objective import LanguageModel, label_log_probs
 from loracls.prompts import Prompter, resolve_prompt
 from loracls.tokenization import tokenize, tokenize_responses
-from loracls.zeroshot import softmax
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 from tests.test_learning import LEARN
 

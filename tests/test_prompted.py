@@ -12,12 +12,12 @@ import torch
 import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from loracls.baseline import label_log_probs
 from loracls.config import PromptConfig
 from loracls.evaluate import predict_probs
 from loracls.model import load_causal_lm, load_classifier, load_tokenizer
 from loracls.prompts import Prompter, answer_tokens, format_verbalizers, resolve_prompt
 from loracls.tokenization import tokenize
-from loracls.zeroshot import label_log_probs
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 
 LABELS = ["negative", "positive"]
@@ -165,7 +165,7 @@ def test_the_report_shows_the_prompt_and_every_candidate(prompted_run):
 def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_models, tmp_path, monkeypatch):
     """A prompt whose answers follow the texts' keywords starts the head (`verbalizer`); one that answers
     the same label whatever the text agrees with the labels no better than chance (kappa 0): `zero`."""
-    from loracls import zeroshot
+    from loracls import baseline
 
     def answers(model, tokenizer, prompts, tokens, batch_size=16):
         scores = np.full((len(prompts), len(tokens)), -1.0)  # a pair of columns per word set
@@ -175,7 +175,7 @@ def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_mo
             scores[i, 1::2] = -0.1 if knows and positive else -1.0
         return scores
 
-    monkeypatch.setattr(zeroshot, "label_log_probs", answers)
+    monkeypatch.setattr(baseline, "label_log_probs", answers)
     data = tmp_path / "reviews.csv"
     toy_reviews(120).to_csv(data, index=False)
     out = tmp_path / "run"

@@ -185,8 +185,8 @@ def baseline(
     **options,
 ) -> None:
     """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
+    from loracls.baseline import baseline_line, baseline_on_device, load_baseline_data
     from loracls.model import load_tokenizer, resolve_model
-    from loracls.zeroshot import baseline_line, baseline_on_device, load_baseline_data
 
     try:
         given = {k: v for k, v in options.items() if v is not None}

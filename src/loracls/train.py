@@ -22,6 +22,13 @@ from peft.utils import load_peft_weights
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls import checkpoints
+from loracls.baseline import (
+    baseline_line,
+    baseline_summary,
+    choose_prompt,
+    prompt_line,
+    run_baseline,
+)
 from loracls.config import TrainConfig
 from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits
@@ -40,13 +47,6 @@ from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
 from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
 from loracls.tokenization import tokenize, truncated_share
-from loracls.zeroshot import (
-    baseline_line,
-    baseline_summary,
-    choose_prompt,
-    prompt_line,
-    run_baseline,
-)
 
 
 def cpu_only() -> bool:

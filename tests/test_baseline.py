@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from loracls import zeroshot
+from loracls import baseline
+from loracls.baseline import (
+    calibrate,
+    choose_prompt,
+    draw_shots,
+    label_log_probs,
+    run_baseline,
+)
 from loracls.config import PromptConfig, TrainConfig
 from loracls.errors import LoraclsError
 from loracls.model import load_causal_lm, load_tokenizer
@@ -20,13 +27,6 @@ from loracls.prompts import (
     pin_prompt,
     resolve_prompt,
     verbalizer_tokens,
-)
-from loracls.zeroshot import (
-    calibrate,
-    choose_prompt,
-    draw_shots,
-    label_log_probs,
-    run_baseline,
 )
 from tests.conftest import invoke, toy_reviews
 
@@ -152,7 +152,7 @@ def test_reversed_order_and_distribution_catch_a_position_bias(llama, monkeypatc
         scores[:, LABELS.index({"bad": "negative", "good": "positive"}[second])] = -0.1
         return scores
 
-    monkeypatch.setattr(zeroshot, "label_log_probs", second_listed)
+    monkeypatch.setattr(baseline, "label_log_probs", second_listed)
     options = TrainConfig(verbalizers=words, prompt_instruction="Answer one of: {options}.")
     metrics = run_baseline(model, tokenizer, table, LABELS, None, options)
     assert metrics["pred_distribution"] == {"negative": 0, "positive": 10}
@@ -244,7 +244,7 @@ def test_baseline_command_runs_on_the_inference_device_in_auto_precision(tiny_mo
     from transformers import Qwen3ForCausalLM
 
     asked, seen = [], []
-    monkeypatch.setattr(zeroshot, "inference_device", lambda: asked.append(1) or torch.device("cpu"))
+    monkeypatch.setattr(baseline, "inference_device", lambda: asked.append(1) or torch.device("cpu"))
     monkeypatch.setattr("loracls.sizing.cpu_has_fast_bf16", lambda flags=None: True)  # auto = bf16 here
     forward = Qwen3ForCausalLM.forward
 
@@ -298,7 +298,7 @@ def test_the_prompt_is_chosen_by_macro_f1_on_training_examples_and_pinned(llama,
                 scores[i, pair + (int(positive) if right else 0)] = -0.1
         return scores
 
-    monkeypatch.setattr(zeroshot, "label_log_probs", oracle)
+    monkeypatch.setattr(baseline, "label_log_probs", oracle)
     cfg = TrainConfig(prompt_sample=40)
     choice = choose_prompt(model, tokenizer, train, LABELS, cfg)
     assert choice.prompt.name == "en-it-was" and choice.prompt.words["positive"] == "great"
