@@ -39,9 +39,9 @@ from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
+from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder, disk_full, no_space, write_text, written_file
-from loracls.output import console
 from loracls.runs import RunFolder
 
 FOLDER = "checkpoints"

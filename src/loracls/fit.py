@@ -29,11 +29,11 @@ from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmu
 from loracls import checkpoints
 from loracls.batching import make_loader
 from loracls.config import TrainConfig
+from loracls.console import console
 from loracls.data import Splits
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
 from loracls.objective import Objective
-from loracls.output import console
 from loracls.runs import RunFolder
 from loracls.sizing import eval_batch_size
 

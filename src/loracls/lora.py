@@ -11,10 +11,10 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 from rich.table import Table
 
 from loracls.config import TrainConfig
+from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.model import empty_classifier, head_name, resolve_model
 from loracls.objective import objective_kind
-from loracls.output import console
 
 PRESETS: dict[str, tuple[str, ...] | None] = {
     "attn-qv": ("q_proj", "v_proj"),

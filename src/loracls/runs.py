@@ -33,11 +33,11 @@ import torch
 import yaml
 
 from loracls.config import TrainConfig
+from loracls.console import console
 from loracls.data import Splits
 from loracls.doctor import package_version
 from loracls.errors import LoraclsError
 from loracls.files import recover_folder, write_text
-from loracls.output import console
 
 LOCK = ".lock"
 

@@ -30,11 +30,11 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loracls.batcher import Batcher, Job, Metrics, ServeError
+from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.export_format import folder_kind, read_export_info
 from loracls.labels import label_value
 from loracls.objective import objective_kind
-from loracls.output import console
 from loracls.predict import Classifier
 from loracls.runs import RunFolder
 

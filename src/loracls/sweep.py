@@ -31,9 +31,9 @@ import pandas as pd
 
 from loracls import checkpoints
 from loracls.config import TrainConfig, check_known_keys, read_yaml_config
+from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.files import write_text
-from loracls.output import console
 from loracls.report import compare_runs, plt, png, run_summary
 from loracls.runs import RunFolder
 from loracls.train import resume, train

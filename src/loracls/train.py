@@ -30,6 +30,7 @@ from loracls.baseline import (
     run_baseline,
 )
 from loracls.config import TrainConfig
+from loracls.console import console
 from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits
 from loracls.diagnosis import Facts, diagnose
@@ -41,7 +42,6 @@ from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, 
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_causal_lm, load_tokenizer, resolve_model
 from loracls.objective import Objective, input_prompter, objective_kind
-from loracls.output import console
 from loracls.prompts import answer_tokens, candidate_prompts, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
