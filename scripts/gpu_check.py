@@ -126,7 +126,7 @@ def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
     import torch
 
     from loracls.config import TrainConfig
-    from loracls.sizing import memory_estimate
+    from loracls.memory import memory_estimate
     from loracls.train import train
 
     if torch.cuda.is_available():
@@ -190,9 +190,9 @@ def main() -> int:
 
     from loracls.config import TrainConfig
     from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
+    from loracls.devices import inference_device
     from loracls.doctor import collect_facts, diagnose, smoke_test
     from loracls.model import load_tokenizer
-    from loracls.sizing import inference_device
     from loracls.zeroshot import baseline_on_device
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

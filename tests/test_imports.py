@@ -16,7 +16,6 @@ PACKAGE = Path(loracls.__file__).parent
 LAZY_ALLOWED = {
     "loracls": "`loracls.from_pretrained` without importing torch for every `import loracls`",
     "loracls.cli": "a command imports only what it runs, so `--help` and `--version` start fast",
-    "loracls.sizing": "`loracls doctor` without --model imports no transformers/peft (4.6 s against 1.6 s)",
 }
 
 

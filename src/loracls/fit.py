@@ -32,10 +32,10 @@ from loracls.config import TrainConfig
 from loracls.data import Splits
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
+from loracls.micro_batch import eval_batch_size
 from loracls.objective import Objective
 from loracls.output import console
 from loracls.runs import RunFolder
-from loracls.sizing import eval_batch_size
 
 
 @dataclass

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loracls import int8 as int8_module
 from loracls.cpu import check_int8_cpu
 from loracls.data import label_names, label_value, read_labelled, separator, tokenize
+from loracls.devices import inference_autocast, inference_device
 from loracls.errors import LoraclsError
 from loracls.evaluate import (
     indicator,
@@ -29,11 +30,11 @@ from loracls.evaluate import (
 )
 from loracls.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.files import atomic_folder
+from loracls.micro_batch import eval_batch_size
 from loracls.model import from_pretrained, load_causal_lm, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import LanguageModel, Objective
 from loracls.prompts import Prompter, input_prompter
 from loracls.runs import RunFolder, write_json
-from loracls.sizing import eval_batch_size, inference_autocast, inference_device
 
 
 def merge_adapter(

@@ -25,19 +25,20 @@ from loracls import checkpoints
 from loracls.config import TrainConfig
 from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits, tokenize, tokenize_responses, truncated_share
+from loracls.devices import OFFLOAD_COST, mixed_precision, offload_in_use
 from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
 from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
 from loracls.lora import apply_lora, targets_line, targets_table
+from loracls.micro_batch import micro_batch_size
 from loracls.model import describe, load_causal_lm, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, LanguageModel, Objective
 from loracls.output import console
 from loracls.prompts import Prompter, answer_tokens, candidate_prompts, input_prompter, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
-from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
 from loracls.zeroshot import (
     baseline_line,
     baseline_summary,

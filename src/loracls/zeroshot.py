@@ -29,8 +29,10 @@ from loracls.data import (
     sort_labels,
     stratified_sample,
 )
+from loracls.devices import inference_autocast, inference_device
 from loracls.errors import LoraclsError
 from loracls.evaluate import score, write_predictions_jsonl
+from loracls.micro_batch import CPU_MICRO_BATCH
 from loracls.model import load_causal_lm
 from loracls.objective import label_log_probs
 from loracls.prompts import (
@@ -43,7 +45,6 @@ from loracls.prompts import (
     resolve_prompt,
 )
 from loracls.runs import write_json
-from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
 
 PROMPT_KAPPA = 0.1
 """The agreement beyond chance (Cohen's kappa) of a prompt's zero-shot answers with the training sample's
