@@ -33,8 +33,8 @@ from common import RESULTS, write_result  # noqa: E402
 
 from loracls import int8  # noqa: E402
 from loracls.cpu import cpu_flags, cpu_has_fast_bf16, cpu_has_fast_int8  # noqa: E402
+from loracls.devices import mixed_precision  # noqa: E402
 from loracls.model import load_classifier, load_tokenizer, resolve_model  # noqa: E402
-from loracls.sizing import mixed_precision  # noqa: E402
 from loracls.tables import read_builtin  # noqa: E402
 
 

@@ -38,11 +38,11 @@ from common import RESULTS, fitted_flops, write_result  # noqa: E402
 from mfu import DTYPES, peak_flops  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
+from loracls.devices import mixed_precision  # noqa: E402
 from loracls.export import export_run  # noqa: E402
 from loracls.export_format import read_export_info  # noqa: E402
 from loracls.predict import Classifier, measure_int8  # noqa: E402
 from loracls.runs import RunFolder  # noqa: E402
-from loracls.sizing import mixed_precision  # noqa: E402
 from loracls.train import train  # noqa: E402
 
 

@@ -45,7 +45,7 @@ from lora_vs_tfidf import tfidf_scores
 
 from loracls.config import TrainConfig, parse_overrides
 from loracls.data import load_splits, stratified_sample
-from loracls.sizing import mixed_precision
+from loracls.devices import mixed_precision
 from loracls.train import train
 
 WAYS = {

@@ -53,9 +53,9 @@ from common import RESULTS, peak_memory_gb, write_result  # noqa: E402
 from loracls.batching import make_loader  # noqa: E402
 from loracls.config import TrainConfig  # noqa: E402
 from loracls.data import load_splits  # noqa: E402
+from loracls.devices import mixed_precision  # noqa: E402
 from loracls.evaluate import predict_probs, score  # noqa: E402
 from loracls.model import load_classifier, load_tokenizer, resolve_model  # noqa: E402
-from loracls.sizing import mixed_precision  # noqa: E402
 from loracls.tokenization import tokenize  # noqa: E402
 
 BATCH = 16

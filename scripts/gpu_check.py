@@ -126,7 +126,7 @@ def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
     import torch
 
     from loracls.config import TrainConfig
-    from loracls.sizing import memory_estimate
+    from loracls.memory import memory_estimate
     from loracls.train import train
 
     if torch.cuda.is_available():
@@ -191,10 +191,10 @@ def main() -> int:
     from loracls.baseline import baseline_on_device
     from loracls.config import TrainConfig
     from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
+    from loracls.devices import inference_device
     from loracls.diagnosis import diagnose
     from loracls.doctor import collect_facts, smoke_test
     from loracls.model import load_tokenizer
-    from loracls.sizing import inference_device
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flags = cpu_flags()

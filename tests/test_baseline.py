@@ -245,7 +245,7 @@ def test_baseline_command_runs_on_the_inference_device_in_auto_precision(tiny_mo
 
     asked, seen = [], []
     monkeypatch.setattr(baseline, "inference_device", lambda: asked.append(1) or torch.device("cpu"))
-    monkeypatch.setattr("loracls.sizing.cpu_has_fast_bf16", lambda flags=None: True)  # auto = bf16 here
+    monkeypatch.setattr("loracls.devices.cpu_has_fast_bf16", lambda flags=None: True)  # auto = bf16 here
     forward = Qwen3ForCausalLM.forward
 
     def recording(self, *args, **kwargs):

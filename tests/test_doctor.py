@@ -7,7 +7,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from loracls import doctor, sizing
+from loracls import doctor
 from loracls.diagnosis import Facts, diagnose
 from loracls.doctor import smoke_test
 from tests.conftest import invoke
@@ -174,44 +174,6 @@ def test_checkup_gives_the_doctor_commands_payload_and_text(monkeypatch):
     assert "error smoke test: it crashed" in text and "memory free: {'cuda:0': 60.0}" in text
     assert text.rstrip().endswith("cannot train as it is")
     assert doctor.checkup(smoke=False).can_train
-
-
-def test_memory_estimate_for_the_tiny_model(tiny_models):
-    small = sizing.memory_estimate(str(tiny_models["llama"]), batch_size=8, max_length=64)["lora"]
-    large = sizing.memory_estimate(str(tiny_models["llama"]), batch_size=16, max_length=128)["lora"]
-    assert 0 < small["total_gb"] < large["total_gb"]
-    assert large["activations_gb"] > 2 * small["activations_gb"]
-
-
-def test_memory_estimate_for_qlora_and_fsdp(tiny_models):
-    setups = sizing.memory_estimate(str(tiny_models["llama"]), 8, 64, precision="bf16", devices=4)
-    lora, qlora, fsdp = setups["lora"], setups["qlora"], setups["fsdp"]
-    assert qlora["weights_gb"] < lora["weights_gb"]  # 4-bit decoder linears
-    assert fsdp["weights_gb"] == pytest.approx(lora["weights_gb"] / 4, abs=1e-3)
-    assert fsdp["activations_gb"] == lora["activations_gb"]  # a micro-batch per device either way
-
-
-@pytest.mark.slow
-def test_memory_plan_for_gemma3_270m():
-    setups = sizing.memory_estimate("gemma3-270m", 16, 256, precision="bf16", devices=8)
-    # 268M weights as the loader keeps them (fp32): 1.0 GiB; 4-bit only shrinks its 100M decoder linears
-    # (embeddings are 168M)
-    assert setups["lora"]["weights_gb"] == pytest.approx(1.0, abs=0.01)
-    assert 0.65 < setups["qlora"]["weights_gb"] < 0.75
-    assert setups["fsdp"]["weights_gb"] == pytest.approx(1.0 / 8, abs=0.01)
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_planned_weights_are_what_the_loader_loads(tiny_models, precision):
-    """The planner counted a GPU's frozen weights at bf16 while `load_classifier` loads fp32: it promised
-    half the weight memory a run then used."""
-    from loracls.model import load_classifier
-
-    path = str(tiny_models["llama"])
-    planned = sizing.memory_estimate(path, 8, 64, precision=precision)["lora"]["weights_gb"] * 2**30
-    model = load_classifier(path, ["a", "b"], mixed_precision="bf16" if precision == "bf16" else "no")
-    loaded = sum(p.numel() * p.element_size() for p in model.parameters())  # the plan counts the head too
-    assert planned == pytest.approx(loaded, rel=1e-6)
 
 
 def test_qlora_computes_in_the_run_precision():

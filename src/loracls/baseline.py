@@ -21,9 +21,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
 from loracls.data import load_splits, stratified_sample
+from loracls.devices import inference_autocast, inference_device
 from loracls.errors import LoraclsError
 from loracls.evaluate import gather_rows, score, write_predictions_jsonl
 from loracls.labels import label_ids, sort_labels
+from loracls.micro_batch import CPU_MICRO_BATCH
 from loracls.model import load_causal_lm
 from loracls.objective import label_log_probs
 from loracls.prompts import (
@@ -36,7 +38,6 @@ from loracls.prompts import (
     resolve_prompt,
 )
 from loracls.runs import write_json
-from loracls.sizing import CPU_MICRO_BATCH, inference_autocast, inference_device
 from loracls.tables import BUILTIN_DATASETS, read_labelled
 
 PROMPT_KAPPA = 0.1

@@ -353,14 +353,16 @@ def doctor(
     devices: Annotated[int, typer.Option(help="Devices FSDP would shard over, for the estimate")] = 8,
 ) -> None:
     """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
+    from loracls.devices import free_memory_gb
     from loracls.doctor import checkup, print_checkup
-    from loracls.sizing import free_memory_gb, memory_estimate
 
     found = checkup(smoke)
     if found.facts.torch:
         found.memory["free_gb"] = free_memory_gb()
     try:
         if model:
+            from loracls.memory import memory_estimate
+
             precision = "bf16" if found.device == "cuda" else "fp32"
             found.memory["estimate"] = memory_estimate(model, batch_size, max_length, precision, devices)
     except LoraclsError as e:
@@ -461,9 +463,9 @@ def serve(
     """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
     try:
         from loracls.cpu import check_int8_cpu, emulated_bf16_warning
+        from loracls.devices import inference_device
         from loracls.serve import ServeLimits
         from loracls.serve import serve as run_server
-        from loracls.sizing import inference_device
     except ImportError as e:
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")

@@ -245,7 +245,7 @@ class Checkup:
     smoke: SmokeResult | None
     """None where it was not run (`--no-smoke`, or no torch)."""
     memory: dict = field(default_factory=dict)
-    """`free_gb` (`sizing.free_memory_gb`) and, for a model, `estimate` (`sizing.memory_estimate`), added by
+    """`free_gb` (`devices.free_memory_gb`) and, for a model, `estimate` (`memory.memory_estimate`), added by
     the caller: they need torch, which this module does not import."""
 
     @property

@@ -16,11 +16,11 @@ from loracls.doctor import package_version
 from loracls.errors import LoraclsError
 from loracls.export_format import EXPORT_INFO, INT8_RANGES
 from loracls.files import atomic_folder, share_as_umask_allows
+from loracls.micro_batch import eval_batch_size
 from loracls.model import load_tokenizer
 from loracls.objective import input_prompter, objective_kind
 from loracls.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
 from loracls.runs import RunFolder, write_json
-from loracls.sizing import eval_batch_size
 
 
 def export_run(

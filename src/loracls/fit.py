@@ -33,9 +33,9 @@ from loracls.console import console
 from loracls.data import Splits
 from loracls.errors import LoraclsError
 from loracls.evaluate import predict_probs, score, write_predictions_jsonl
+from loracls.micro_batch import eval_batch_size
 from loracls.objective import Objective
 from loracls.runs import RunFolder
-from loracls.sizing import eval_batch_size
 
 
 @dataclass

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls import int8 as int8_module
 from loracls.cpu import check_int8_cpu
+from loracls.devices import inference_autocast, inference_device
 from loracls.errors import LoraclsError
 from loracls.evaluate import (
     label_matrix,
@@ -29,11 +30,11 @@ from loracls.evaluate import (
 from loracls.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.files import atomic_folder
 from loracls.labels import label_names, label_value, separator
+from loracls.micro_batch import eval_batch_size
 from loracls.model import load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
 from loracls.prompts import Prompter
 from loracls.runs import RunFolder, write_json
-from loracls.sizing import eval_batch_size, inference_autocast, inference_device
 from loracls.tables import read_labelled
 from loracls.tokenization import tokenize
 

@@ -33,6 +33,7 @@ from loracls.config import TrainConfig
 from loracls.console import console
 from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits
+from loracls.devices import OFFLOAD_COST, mixed_precision, offload_in_use
 from loracls.diagnosis import Facts, diagnose
 from loracls.doctor import check_before_training, check_quantization, collect_facts
 from loracls.errors import LoraclsError
@@ -40,12 +41,12 @@ from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
 from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
 from loracls.lora import apply_lora, targets_line, targets_table
+from loracls.micro_batch import micro_batch_size
 from loracls.model import describe, load_causal_lm, load_tokenizer, resolve_model
 from loracls.objective import Objective, input_prompter, objective_kind
 from loracls.prompts import answer_tokens, candidate_prompts, pin_prompt
 from loracls.report import build_report
 from loracls.runs import RunFolder, default_out, environment, write_jsonl
-from loracls.sizing import OFFLOAD_COST, micro_batch_size, mixed_precision, offload_in_use
 from loracls.tokenization import tokenize, truncated_share
 
 

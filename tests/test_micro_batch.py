@@ -1,5 +1,5 @@
-"""Precision, micro-batch and accumulation: what `--precision auto` picks, what the probe finds, and that
-accumulating micro-batches trains exactly as one large batch does."""
+"""Micro-batch and accumulation: what the probe finds, and that accumulating micro-batches trains exactly as
+one large batch does."""
 
 import json
 from types import SimpleNamespace
@@ -7,59 +7,35 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loracls import cpu, sizing
+from loracls import micro_batch
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
 from loracls.train import train
 
 
-def test_auto_precision_uses_bf16_only_on_cpus_that_compute_it():
-    assert sizing.mixed_precision("auto", "cpu", flags={"avx2", "fma"}) == "no"
-    assert sizing.mixed_precision("auto", "cpu", flags={"avx512f", "avx512_bf16"}) == "bf16"
-    assert sizing.mixed_precision("auto", "cpu", flags={"amx_bf16", "amx_tile"}) == "bf16"
-    assert sizing.mixed_precision("fp32", "cpu", flags={"avx512_bf16"}) == "no"
-    assert sizing.mixed_precision("bf16", "cpu", flags=set()) == "bf16"
-    assert "emulated" in cpu.emulated_bf16_warning("bf16", "cpu", flags={"avx2", "fma"})
-    assert cpu.emulated_bf16_warning("bf16", "cpu", flags={"avx512_bf16"}) is None
-    assert cpu.emulated_bf16_warning("auto", "cpu", flags={"avx2"}) is None
-    assert cpu.emulated_bf16_warning("bf16", "cuda", flags={"avx2"}) is None
-
-
 def test_micro_batches_divide_the_batch_largest_first():
-    assert sizing.divisors(32) == [32, 16, 8, 4, 2, 1]
-    assert sizing.divisors(24, cap=16) == [12, 8, 6, 4, 3, 2, 1]
+    assert micro_batch.divisors(32) == [32, 16, 8, 4, 2, 1]
+    assert micro_batch.divisors(24, cap=16) == [12, 8, 6, 4, 3, 2, 1]
     tried = []
 
     def fits(n):  # a device where at most 10 examples fit
         tried.append(n)
         return n <= 10
 
-    assert sizing.largest_fitting(sizing.divisors(48), fits) == 8
+    assert micro_batch.largest_fitting(micro_batch.divisors(48), fits) == 8
     assert tried == [48, 24, 16, 12, 8]
     with pytest.raises(LoraclsError, match="Not even a micro-batch of 1"):
-        sizing.largest_fitting([4, 2, 1], lambda n: False)
+        micro_batch.largest_fitting([4, 2, 1], lambda n: False)
 
 
 def test_requested_micro_batch_wins_and_cpu_takes_the_cap():
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert sizing.micro_batch_size(4, 32, cpu, None, {}, ()) == (4, "set")
-    assert sizing.micro_batch_size(None, 32, cpu, None, {}, ()) == (16, "cpu cap")
-    assert sizing.micro_batch_size(None, 12, cpu, None, {}, ()) == (12, "cpu cap")
+    assert micro_batch.micro_batch_size(4, 32, cpu, None, {}, ()) == (4, "set")
+    assert micro_batch.micro_batch_size(None, 32, cpu, None, {}, ()) == (16, "cpu cap")
+    assert micro_batch.micro_batch_size(None, 12, cpu, None, {}, ()) == (12, "cpu cap")
     # FSDP: the probe would need the whole model on one GPU; nothing touches the (absent) GPU here
     sharded = SimpleNamespace(device=torch.device("cuda"), is_fsdp2=True)
-    assert sizing.micro_batch_size(None, 64, sharded, None, {}, ()) == (16, "FSDP: not probed")
-
-
-def test_offload_is_named_from_the_launch_configuration():
-    offload = SimpleNamespace(offload_params=True)
-    fsdp = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(cpu_offload=offload)))
-    assert "FSDP" in sizing.offload_in_use(fsdp)
-    zero = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
-    deepspeed = SimpleNamespace(
-        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=zero))
-    )
-    assert sizing.offload_in_use(deepspeed) == "DeepSpeed offload_optimizer to cpu"
-    assert sizing.offload_in_use(SimpleNamespace(state=SimpleNamespace())) is None
+    assert micro_batch.micro_batch_size(None, 64, sharded, None, {}, ()) == (16, "FSDP: not probed")
 
 
 def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
@@ -127,17 +103,9 @@ def test_the_probe_leaves_the_random_stream_as_it_was(monkeypatch):
 
         return fits
 
-    monkeypatch.setattr(sizing, "fits_on_device", fits_on_device)
+    monkeypatch.setattr(micro_batch, "fits_on_device", fits_on_device)
     model = torch.nn.Linear(2, 2)
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
-    assert sizing.probe(model, {}, 16, torch.device("cpu"), None) == 4
+    assert micro_batch.probe(model, {}, 16, torch.device("cpu"), None) == 4
     assert torch.equal(torch.random.get_rng_state(), state)
-
-
-def test_inference_runs_on_cuda_then_mps_then_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert sizing.inference_device() == torch.device("mps")
-    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    assert sizing.inference_device() == torch.device("cpu")
