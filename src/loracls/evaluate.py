@@ -1,4 +1,5 @@
-"""Predict in length-sorted batches, put predictions back in input order, and score them with sklearn."""
+"""Predict in length-sorted batches, put predictions back in input order, and score them with sklearn; a run's
+validation (`validate`, `evaluation_probs`: what `fit()` and the final test call)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from datasets import Dataset
+from peft import PeftModel
 from sklearn.metrics import (
     accuracy_score,
     classification_report,
@@ -23,9 +25,12 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.batching import LengthGroupedBatches
-from loracls.data import label_ids, label_value
+from loracls.config import TrainConfig
+from loracls.data import Splits, label_ids, label_value
 from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
+from loracls.runs import RunFolder
+from loracls.sizing import eval_batch_size
 
 
 @torch.inference_mode()
@@ -183,3 +188,45 @@ def score(
         return compute_multilabel_metrics(indicator(table, labels), (probs >= thresholds).astype(int), labels)
     label2id = label_ids(labels)
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)
+
+
+def evaluation_probs(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    objective: Objective,
+) -> np.ndarray:
+    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
+    return predict_probs(
+        model,
+        dataset,
+        tokenizer,
+        eval_batch_size(cfg.micro_batch_size),
+        accelerator.device,
+        accelerator.autocast(),
+        accelerator,
+        objective,
+    )
+
+
+def validate(
+    model: PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    val_set: Dataset,
+    splits: Splits,
+    cfg: TrainConfig,
+    run: RunFolder,
+    step: int,
+    accelerator: Accelerator,
+    objective: Objective,
+) -> dict:
+    """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
+    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator, objective)
+    # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
+    thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
+    if run.main:
+        path = run.file(f"val_predictions/step_{step:06d}.jsonl")
+        write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
+    return score(splits.val, probs, splits.labels, thresholds)

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 from accelerate import Accelerator
@@ -31,11 +30,10 @@ from loracls.batching import make_loader
 from loracls.config import TrainConfig
 from loracls.data import Splits
 from loracls.errors import LoraclsError
-from loracls.evaluate import predict_probs, score, write_predictions_jsonl
+from loracls.evaluate import validate
 from loracls.objective import Objective
 from loracls.output import console
 from loracls.runs import RunFolder
-from loracls.sizing import eval_batch_size
 
 
 @dataclass
@@ -514,45 +512,3 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
-
-
-def evaluation_probs(
-    model: torch.nn.Module,
-    dataset: Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    objective: Objective,
-) -> np.ndarray:
-    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
-    return predict_probs(
-        model,
-        dataset,
-        tokenizer,
-        eval_batch_size(cfg.micro_batch_size),
-        accelerator.device,
-        accelerator.autocast(),
-        accelerator,
-        objective,
-    )
-
-
-def validate(
-    model: PeftModel,
-    tokenizer: PreTrainedTokenizerBase,
-    val_set: Dataset,
-    splits: Splits,
-    cfg: TrainConfig,
-    run: RunFolder,
-    step: int,
-    accelerator: Accelerator,
-    objective: Objective,
-) -> dict:
-    """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
-    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator, objective)
-    # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
-    thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
-    if run.main:
-        path = run.file(f"val_predictions/step_{step:06d}.jsonl")
-        write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
-    return score(splits.val, probs, splits.labels, thresholds)

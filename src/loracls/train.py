@@ -27,9 +27,9 @@ from loracls.cpu import emulated_bf16_warning
 from loracls.data import Splits, load_splits, tokenize, tokenize_responses, truncated_share
 from loracls.doctor import Facts, check_before_training, check_quantization, collect_facts, diagnose
 from loracls.errors import LoraclsError
-from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
+from loracls.evaluate import evaluation_probs, score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
-from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
+from loracls.fit import FitResult, Interrupted, accumulation, fit
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.model import describe, load_causal_lm, load_classifier, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, LanguageModel, Objective
