@@ -7,12 +7,13 @@ The loop only sees the objective's `loss` (`objective.py`); validation and the f
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def fit(
         "process(es)"
     )
 
-    start, step_loss, step_micro = time.perf_counter(), 0.0, 0
+    start = time.perf_counter()
     model.train()
     with progress_bar(state) as progress, StopSignals() as stop:
         clock = TrainClock(state)
@@ -118,33 +119,32 @@ def fit(
             # its sharding wrapper does not pass the epoch on to our sampler
             loader.set_epoch(state.epoch)
             sampler.set_epoch(state.epoch)
-            skip = state.batches_in_epoch
-            for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
-                state.batches_in_epoch += 1
-                with accelerator.accumulate(model):
-                    loss = objective.loss(model, batch)
-                    # accelerate divides every loss by the accumulation count; a short last window of an
-                    # epoch would weigh less than a full one
-                    accelerator.backward(loss * window_weight(state.batches_in_epoch, len(loader), accum))
-                    step_loss, step_micro = step_loss + float(loss.detach()), step_micro + 1
+            skip = state.batches_in_epoch  # whole windows: checkpoints are written between them
+            for window in windows(accelerator.skip_first_batches(loader, skip) if skip else loader, accum):
+                step_loss = 0.0
+                for i, batch in enumerate(window):
+                    # the gradients are all-reduced once per window, in its last micro-step's backward
+                    with accelerator.no_sync(model) if i < len(window) - 1 else contextlib.nullcontext():
+                        loss = objective.loss(model, batch)
+                        # accelerate divides by `accum`: each micro-batch counts 1 / len(window), so that an
+                        # epoch's short last window weighs as a full one
+                        accelerator.backward(loss * (accum / len(window)))
+                    step_loss += float(loss.detach())
+                    state.batches_in_epoch += 1
                     state.window_examples += len(batch["labels"])
                     state.window_tokens += int(batch["attention_mask"].sum())
-                    if accelerator.sync_gradients:
-                        grad_norm, nonfinite = optimizer_step(
-                            accelerator, optimizer, params, cfg.max_grad_norm, step_loss
-                        )
-                        scheduler.step()
-                    optimizer.zero_grad()
-                if not accelerator.sync_gradients:
-                    continue
+                grad_norm, nonfinite = optimizer_step(
+                    accelerator, optimizer, params, cfg.max_grad_norm, step_loss
+                )
+                scheduler.step()
+                optimizer.zero_grad()
                 state.step += 1
                 progress.update(0, completed=state.step)
                 if nonfinite:
-                    skip_nonfinite_step(state, cfg, run, step_loss / step_micro, float(grad_norm))
+                    skip_nonfinite_step(state, cfg, run, step_loss / len(window), float(grad_norm))
                 else:
                     state.window_loss += step_loss
-                    state.window_micro += step_micro
-                step_loss, step_micro = 0.0, 0
+                    state.window_micro += len(window)
 
                 if state.step % cfg.log_every == 0 or state.step == state.total_steps:
                     clock.lap()
@@ -389,11 +389,12 @@ def raised_by_min_steps(cfg: TrainConfig, steps_per_epoch: int, total_steps: int
     return f": raised from {asked} ({epochs}) to min_steps={cfg.min_steps}; --min-steps 0 for {epochs} only"
 
 
-def window_weight(batch: int, batches: int, accumulation: int) -> float:
-    """Factor on the loss of micro-batch `batch` (1-based) of an epoch of `batches`, so that the epoch's
-    short last accumulation window (when `accumulation` does not divide `batches`) weighs as a full one."""
-    short = batches % accumulation
-    return accumulation / short if short and batch > batches - short else 1.0
+def windows(batches: Iterable, size: int) -> Iterator[list]:
+    """`batches` in consecutive lists of `size`: an epoch's accumulation windows, the last one shorter when
+    `size` does not divide the epoch's micro-batches."""
+    batches = iter(batches)
+    while window := list(itertools.islice(batches, size)):
+        yield window
 
 
 def accumulation(cfg: TrainConfig) -> int:
