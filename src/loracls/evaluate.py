@@ -1,5 +1,5 @@
 """Predict in length-sorted batches, put predictions back in input order, and score them with sklearn; a run's
-validation (`validate`, `evaluation_probs`: what `fit()` and the final test call)."""
+validation (`evaluation_probs`, `score_validation`: what `fit()` and the final test call)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from datasets import Dataset
-from peft import PeftModel
 from sklearn.metrics import (
     accuracy_score,
     classification_report,
@@ -211,19 +210,9 @@ def evaluation_probs(
     )
 
 
-def validate(
-    model: PeftModel,
-    tokenizer: PreTrainedTokenizerBase,
-    val_set: Dataset,
-    splits: Splits,
-    cfg: TrainConfig,
-    run: RunFolder,
-    step: int,
-    accelerator: Accelerator,
-    objective: Objective,
-) -> dict:
-    """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
-    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator, objective)
+def score_validation(probs: np.ndarray, splits: Splits, cfg: TrainConfig, run: RunFolder, step: int) -> dict:
+    """Score `probs` of the validation split (from `evaluation_probs`) and write every prediction to
+    `RUN/val_predictions/step_NNNNNN.jsonl`."""
     # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
     thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
     if run.main:
