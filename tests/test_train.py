@@ -58,14 +58,15 @@ def test_early_stopping_after_patience(tmp_path, tiny_models, toy_csv):
 
 
 def test_a_short_last_window_weighs_as_a_full_one():
-    """10 micro-batches in windows of 4: the last window has 2, each counted twice as much, so that its
-    gradient is their mean as a full window's is (accelerate divides every loss by 4)."""
+    """10 micro-batches in windows of 4 make windows of 4, 4 and 2; with each loss times 4 / len(window), as
+    fit() scales it (accelerate divides every loss by 4), each window's gradient is the mean of its
+    micro-batches', the short one's too."""
     from accelerate import Accelerator
 
-    from loracls.fit import window_weight
+    from loracls.fit import windows
 
-    assert [window_weight(b, 10, 4) for b in range(1, 11)] == [1] * 8 + [2, 2]
-    assert {window_weight(b, 8, 4) for b in range(1, 9)} == {1}
+    assert [len(w) for w in windows(range(10), 4)] == [4, 4, 2]
+    assert [len(w) for w in windows(range(8), 4)] == [4, 4]
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     weight = torch.nn.Parameter(torch.ones(3))
@@ -74,13 +75,12 @@ def test_a_short_last_window_weighs_as_a_full_one():
     loader = torch.utils.data.DataLoader(batches, batch_size=None)
     model, loader = accelerator.prepare(model, loader)
     grads = []
-    for b, x in enumerate(loader, start=1):
-        with accelerator.accumulate(model):
+    for window in windows(loader, 4):
+        for x in window:
             loss = (model(x) * weight.sum()).sum()
-            accelerator.backward(loss * window_weight(b, len(loader), 4))
-            if accelerator.sync_gradients:
-                grads.append(model.weight.grad.clone())
-                model.zero_grad()
+            accelerator.backward(loss * (4 / len(window)))
+        grads.append(model.weight.grad.clone())
+        model.zero_grad()
     # the mean input of each window: (1+2+3+4)/4, (5+..+8)/4, (9+10)/2, times d loss / d w = 3
     assert [float(g[0, 0]) for g in grads] == pytest.approx([7.5, 19.5, 28.5])
 

@@ -1,4 +1,5 @@
-"""Predict in length-sorted batches, put predictions back in input order, and score them with sklearn."""
+"""Predict in length-sorted batches, put predictions back in input order, and score them with sklearn; a run's
+validation (`evaluation_probs`, `score_validation`: what `fit()` and the final test call)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.batching import LengthGroupedBatches
+from loracls.config import TrainConfig
+from loracls.data import Splits
 from loracls.files import write_text
 from loracls.labels import label_ids, label_value
+from loracls.micro_batch import eval_batch_size
 from loracls.objective import ClassificationHead, Objective
+from loracls.runs import RunFolder
 
 
 @torch.inference_mode()
@@ -190,3 +195,35 @@ def score(
         return compute_multilabel_metrics(label_matrix(table, labels), predicted, labels)
     label2id = label_ids(labels)
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)
+
+
+def evaluation_probs(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: TrainConfig,
+    accelerator: Accelerator,
+    objective: Objective,
+) -> np.ndarray:
+    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
+    return predict_probs(
+        model,
+        dataset,
+        tokenizer,
+        eval_batch_size(cfg.micro_batch_size),
+        accelerator.device,
+        accelerator.autocast(),
+        accelerator,
+        objective,
+    )
+
+
+def score_validation(probs: np.ndarray, splits: Splits, cfg: TrainConfig, run: RunFolder, step: int) -> dict:
+    """Score `probs` of the validation split (from `evaluation_probs`) and write every prediction to
+    `RUN/val_predictions/step_NNNNNN.jsonl`."""
+    # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
+    thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
+    if run.main:
+        path = run.file(f"val_predictions/step_{step:06d}.jsonl")
+        write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
+    return score(splits.val, probs, splits.labels, thresholds)

@@ -1,5 +1,5 @@
 """`fit()`: the training loop (AdamW, cosine warm-up, accumulation, clipping), with its validation,
-logging, checkpointing and stopping beside it as named helpers.
+logging, checkpointing and stopping beside it as named helpers; they share one `Training`.
 
 The loop only sees the objective's `loss` (`objective.py`); validation and the final test its `probs`.
 """
@@ -7,19 +7,20 @@ The loop only sees the objective's `loss` (`objective.py`); validation and the f
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
 from datasets import Dataset
 from peft import PeftModel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -32,8 +33,7 @@ from loracls.config import TrainConfig
 from loracls.console import console
 from loracls.data import Splits
 from loracls.errors import LoraclsError
-from loracls.evaluate import predict_probs, score, write_predictions_jsonl
-from loracls.micro_batch import eval_batch_size
+from loracls.evaluate import evaluation_probs, score_validation
 from loracls.objective import Objective
 from loracls.runs import RunFolder
 
@@ -92,94 +92,109 @@ def fit(
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch), cfg.min_steps)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
-    optimizer = AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
-    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    optimizer, scheduler = optimizer_and_schedule(model, cfg, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    params = [p for p in model.parameters() if p.requires_grad]  # FSDP has replaced them with shards
     checkpoints.register_adapter_hooks(accelerator, model)
     describe_shards(model, accelerator)
     state = start_state(total_steps, accelerator, tokenizer, run, resume)
-    # what every checkpoint was trained with, for a resume to compare (config.yaml is final by now)
-    fingerprint = checkpoints.fingerprint(cfg, run.path, accelerator.num_processes) if run.main else None
-    console.print(
-        f"{len(train_set)} training examples, {steps_per_epoch} optimizer steps per epoch, "
-        f"{total_steps} in all{raised_by_min_steps(cfg, steps_per_epoch, total_steps)} (warm-up {warmup}), "
-        f"batch {cfg.batch_size} = {accum} x {cfg.micro_batch_size} examples, x {accelerator.num_processes} "
-        "process(es)"
-    )
+    training = Training(model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state)
+    console.print(plan_line(cfg, len(train_set), steps_per_epoch, total_steps, accelerator.num_processes))
 
-    start, step_loss, step_micro = time.perf_counter(), 0.0, 0
+    start = time.perf_counter()
     model.train()
-    with progress_bar(state) as progress, StopSignals() as stop:
+    with training.progress, StopSignals() as stop:
         clock = TrainClock(state)
         while state.step < state.total_steps:
-            # both: accelerate's loader would count its own iterations instead, and under several processes
-            # its sharding wrapper does not pass the epoch on to our sampler
-            loader.set_epoch(state.epoch)
-            sampler.set_epoch(state.epoch)
-            skip = state.batches_in_epoch
-            for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
-                state.batches_in_epoch += 1
-                with accelerator.accumulate(model):
-                    loss = objective.loss(model, batch)
-                    # accelerate divides every loss by the accumulation count; a short last window of an
-                    # epoch would weigh less than a full one
-                    accelerator.backward(loss * window_weight(state.batches_in_epoch, len(loader), accum))
-                    step_loss, step_micro = step_loss + float(loss.detach()), step_micro + 1
-                    state.window_examples += len(batch["labels"])
-                    state.window_tokens += int(batch["attention_mask"].sum())
-                    if accelerator.sync_gradients:
-                        grad_norm, nonfinite = optimizer_step(
-                            accelerator, optimizer, params, cfg.max_grad_norm, step_loss
-                        )
-                        scheduler.step()
-                    optimizer.zero_grad()
-                if not accelerator.sync_gradients:
-                    continue
-                state.step += 1
-                progress.update(0, completed=state.step)
+            for window in epoch_windows(training, loader, sampler):
+                step_loss, examples, tokens = 0.0, 0, 0
+                for i, batch in enumerate(window):
+                    # the gradients are all-reduced once per window, in its last micro-step's backward
+                    with accelerator.no_sync(model) if i < len(window) - 1 else contextlib.nullcontext():
+                        loss = objective.loss(model, batch)
+                        # accelerate divides by `accum`: each micro-batch counts 1 / len(window), so that an
+                        # epoch's short last window weighs as a full one
+                        accelerator.backward(loss * (accum / len(window)))
+                    step_loss += float(loss.detach())
+                    examples += len(batch["labels"])
+                    tokens += int(batch["attention_mask"].sum())
+                grad_norm, nonfinite = optimizer_step(training, step_loss)
+                scheduler.step()
+                optimizer.zero_grad()
+                state.count_step(len(window), examples, tokens, step_loss, finite=not nonfinite)
+                training.progress.update(0, completed=state.step)
                 if nonfinite:
-                    skip_nonfinite_step(state, cfg, run, step_loss / step_micro, float(grad_norm))
-                else:
-                    state.window_loss += step_loss
-                    state.window_micro += step_micro
-                step_loss, step_micro = 0.0, 0
+                    log_skipped_step(training, step_loss / len(window), float(grad_norm))
 
                 if state.step % cfg.log_every == 0 or state.step == state.total_steps:
                     clock.lap()
-                    log_train(
-                        state, state.step / steps_per_epoch, scheduler, grad_norm, accelerator, run, progress
-                    )
+                    log_train(training, grad_norm, state.step / steps_per_epoch)
                 improved = False
                 if state.step % cfg.eval_every == 0 or state.step == state.total_steps:
                     with clock.paused():  # validation is not training time
-                        improved = validate_and_keep_best(
-                            model,
-                            tokenizer,
-                            val_set,
-                            splits,
-                            cfg,
-                            run,
-                            state,
-                            accelerator,
-                            objective,
-                            progress,
-                        )
+                        improved = validate_and_keep_best(training, val_set, splits)
                 with clock.paused():
-                    checkpoint_or_stop(accelerator, state, cfg, run, stop, improved, fingerprint)
+                    checkpoint_or_stop(training, stop, improved)
                 if state.step >= state.total_steps:
                     break
             else:
-                state.epoch += 1
-                state.batches_in_epoch = 0
+                state.next_epoch()
     if run.main:  # a resume at the last step writes no checkpoint, and prunes as one does
         checkpoints.prune(run.path, cfg.keep_checkpoints, state.best_step)
     wall = time.perf_counter() - start
     return FitResult(
         state.best_step, state.best_val, state.step, state.examples, state.tokens, state.train_s, wall
+    )
+
+
+@dataclass
+class Training:
+    """What `fit()`'s helpers share: the prepared model, optimizer and scheduler, the run's settings, folder
+    and counters, and the progress bar."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: AcceleratedScheduler
+    accelerator: Accelerator
+    objective: Objective
+    tokenizer: PreTrainedTokenizerBase
+    cfg: TrainConfig
+    run: RunFolder
+    state: checkpoints.TrainerState
+    params: list[torch.nn.Parameter] = field(init=False)
+    """The trainable parameters as the prepared model holds them (FSDP has replaced them with shards)."""
+    fingerprint: dict | None = field(init=False)
+    """What every checkpoint is trained with, for a resume to compare (main process; config.yaml is final
+    by now)."""
+    progress: Progress = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        processes = self.accelerator.num_processes
+        self.fingerprint = (
+            checkpoints.fingerprint(self.cfg, self.run.path, processes) if self.run.main else None
+        )
+        self.progress = progress_bar(self.state)
+
+
+def optimizer_and_schedule(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
+    """AdamW over the trainable parameters, and its cosine schedule with warm-up over `total_steps`."""
+    optimizer = AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps(cfg, total_steps), total_steps)
+
+
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
+
+
+def plan_line(cfg: TrainConfig, examples: int, steps_per_epoch: int, total_steps: int, processes: int) -> str:
+    """What the run will do: examples, optimizer steps, warm-up and how a batch is made."""
+    return (
+        f"{examples} training examples, {steps_per_epoch} optimizer steps per epoch, "
+        f"{total_steps} in all{raised_by_min_steps(cfg, steps_per_epoch, total_steps)} "
+        f"(warm-up {warmup_steps(cfg, total_steps)}), batch {cfg.batch_size} = {accumulation(cfg)} x "
+        f"{cfg.micro_batch_size} examples, x {processes} process(es)"
     )
 
 
@@ -217,6 +232,28 @@ def start_state(
     return state
 
 
+def epoch_windows(training: Training, loader, sampler) -> Iterator[list[dict]]:
+    """The accumulation windows of micro-batches left in the epoch in progress (`windows`): a resumed epoch
+    starts after the `batches_in_epoch` already consumed (whole windows: checkpoints come between them)."""
+    state, accelerator = training.state, training.accelerator
+    # both: accelerate's loader would count its own iterations instead, and under several processes
+    # its sharding wrapper does not pass the epoch on to our sampler
+    loader.set_epoch(state.epoch)
+    sampler.set_epoch(state.epoch)
+    skip = state.batches_in_epoch
+    yield from windows(
+        accelerator.skip_first_batches(loader, skip) if skip else loader, accumulation(training.cfg)
+    )
+
+
+def windows(batches: Iterable, size: int) -> Iterator[list]:
+    """`batches` in consecutive lists of `size`: an epoch's accumulation windows, the last one shorter when
+    `size` does not divide the epoch's micro-batches."""
+    batches = iter(batches)
+    while window := list(itertools.islice(batches, size)):
+        yield window
+
+
 class TrainClock:
     """Counts the seconds of training into the log window in progress; what runs `paused()` (validation,
     checkpoint writing) is left out, so the throughput figures are training alone."""
@@ -226,7 +263,7 @@ class TrainClock:
 
     def lap(self) -> None:
         now = time.perf_counter()
-        self.state.window_s += now - self.mark
+        self.state.count_seconds(now - self.mark)
         self.mark = now
 
     @contextlib.contextmanager
@@ -266,52 +303,84 @@ def describe_shards(model: torch.nn.Module, accelerator: Accelerator) -> None:
     )
 
 
-def log_train(
-    state: checkpoints.TrainerState,
-    epoch: float,
-    scheduler,
-    grad_norm: torch.Tensor,
-    accelerator: Accelerator,
-    run: RunFolder,
-    progress: Progress,
-) -> None:
+def optimizer_step(training: Training, loss: float) -> tuple[torch.Tensor, bool]:
+    """Clip and apply the accumulated update; returns the gradient norm and whether the step was non-finite.
+
+    A non-finite step's update is not applied. Under fp16 the loss scaler decides that itself: clipping has
+    unscaled the gradients, and its `step` (which skips an update with inf/NaN gradients) must run so that
+    `update` lowers the scale and resets it for the next step; an overflowing scaled gradient is the scaler's
+    normal search for a scale and not counted, a non-finite loss is.
+    """
+    accelerator = training.accelerator
+    grad_norm = accelerator.clip_grad_norm_(training.params, training.cfg.max_grad_norm)
+    scaled = accelerator.scaler is not None
+    nonfinite = agree(accelerator, not math.isfinite(loss) or (not scaled and not torch.isfinite(grad_norm)))
+    if scaled or not nonfinite:
+        training.optimizer.step()
+    return grad_norm, nonfinite
+
+
+def log_skipped_step(training: Training, loss: float, grad_norm: float) -> None:
+    """Log a step whose loss or gradient was NaN/inf (its update was not applied); stop past the allowance."""
+    state, cfg, run = training.state, training.cfg, training.run
+    run.append_log({"kind": "skipped", "step": state.step, "loss": loss, "grad_norm": grad_norm})
+    if state.skipped_nonfinite > cfg.skip_nonfinite:
+        last = checkpoints.latest(run.path)
+        raise LoraclsError(
+            f"Non-finite loss or gradient at optimizer step {state.step} (loss {loss:.4g}, gradient norm "
+            f"{grad_norm:.4g}); the update was not applied. Last good checkpoint: {last or 'none yet'}. "
+            f"Lower --lr, use --precision fp32, or allow a few such steps with --skip-nonfinite N "
+            f"({cfg.skip_nonfinite} allowed now)."
+        )
+    console.print(
+        f"[yellow]step {state.step}: non-finite loss or gradient, update skipped "
+        f"({state.skipped_nonfinite} of {cfg.skip_nonfinite} allowed)[/]"
+    )
+
+
+def log_train(training: Training, grad_norm: torch.Tensor, epoch: float) -> None:
     """Close the log window: a `train` record in RUN/train_log.jsonl and the trackers, and a printed line."""
-    record = log_window(state, epoch, scheduler.get_last_lr()[0], grad_norm, accelerator)
-    run.append_log(record)
-    accelerator.log(scalars(record), step=state.step)
-    progress.update(0, description=f"loss {record['loss']:.4f}")
-    progress.console.print(
-        f"step {state.step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    record = log_window(training, grad_norm, epoch)
+    training.run.append_log(record)
+    training.accelerator.log(scalars(record), step=training.state.step)
+    training.progress.update(0, description=f"loss {record['loss']:.4f}")
+    training.progress.console.print(
+        f"step {training.state.step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
         f"{record['examples_per_s']:.1f} ex/s {record['tokens_per_s']:.0f} tok/s | "
         + " ".join(f"{k[4:]} {v:.2f}G" for k, v in record.items() if k.startswith("mem_"))
     )
 
 
-def validate_and_keep_best(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    val_set: Dataset,
-    splits: Splits,
-    cfg: TrainConfig,
-    run: RunFolder,
-    state: checkpoints.TrainerState,
-    accelerator: Accelerator,
-    objective: Objective,
-    progress: Progress,
-) -> bool:
+def log_window(training: Training, grad_norm: torch.Tensor, epoch: float) -> dict:
+    """The `train_log.jsonl` record of the log window that just ended; folds it into the run's totals.
+
+    Loss, examples and tokens are summed over the processes; time is this process's.
+    """
+    state, accelerator = training.state, training.accelerator
+    loss, micro, examples, tokens = checkpoints.window_sums(accelerator, state)
+    record = {
+        "kind": "train",
+        "step": state.step,
+        "epoch": round(epoch, 3),
+        "loss": loss / max(micro, 1),
+        "lr": training.scheduler.get_last_lr()[0],
+        "grad_norm": float(grad_norm),
+        "examples_per_s": examples / state.window_s,
+        "tokens_per_s": tokens / state.window_s,
+        **memory_gb(accelerator.device),
+    }
+    state.close_window(examples, tokens)
+    return record
+
+
+def validate_and_keep_best(training: Training, val_set: Dataset, splits: Splits) -> bool:
     """Validate, log it, keep RUN/best when the metric improved, and count towards early stopping; returns
     whether this step is the new best."""
-    val = validate(
-        accelerator.unwrap_model(model),
-        tokenizer,
-        val_set,
-        splits,
-        cfg,
-        run,
-        state.step,
-        accelerator,
-        objective,
+    t, state, cfg = training, training.state, training.cfg
+    probs = evaluation_probs(
+        t.accelerator.unwrap_model(t.model), val_set, t.tokenizer, cfg, t.accelerator, t.objective
     )
+    val = score_validation(probs, splits, cfg, t.run, state.step)
     improved = state.best_val is None or val[cfg.metric] > state.best_val[cfg.metric]
     record = {
         "kind": "eval",
@@ -320,66 +389,36 @@ def validate_and_keep_best(
         "val_macro_f1": val["macro_f1"],
         "best": improved,
     }
-    run.append_log(record)
-    accelerator.log(scalars(record), step=state.step)
-    progress.console.print(
+    t.run.append_log(record)
+    t.accelerator.log(scalars(record), step=state.step)
+    t.progress.console.print(
         f"step {state.step:>5} | [bold]val accuracy {val['accuracy']:.4f} macro-F1 {val['macro_f1']:.4f}[/]"
         + ("  (best)" if improved else "")
     )
+    stopping = state.count_validation(val, improved, cfg.early_stopping_patience)
     if improved:
-        state.best_step, state.best_val, state.stale = state.step, val, 0
-        checkpoints.save_best(accelerator, model, tokenizer, run)
-    else:
-        state.stale += 1
-    if cfg.early_stopping_patience is not None and state.stale >= cfg.early_stopping_patience:
+        checkpoints.save_best(t.accelerator, t.model, t.tokenizer, t.run)
+    if stopping:
         console.print(f"Early stopping: no gain in {state.stale} validations")
-        state.total_steps = state.step
     return improved
 
 
-def checkpoint_or_stop(
-    accelerator: Accelerator,
-    state: checkpoints.TrainerState,
-    cfg: TrainConfig,
-    run: RunFolder,
-    stop: StopSignals,
-    improved: bool,
-    fingerprint: dict | None,
-) -> None:
+def checkpoint_or_stop(training: Training, stop: StopSignals, improved: bool) -> None:
     """Write a checkpoint (with `fingerprint`, what it is trained with) at a new best, every `save_every`
     steps, at the end and when a signal asks to stop (in any process); after a signal's checkpoint, stop."""
-    if agree(accelerator, stop.signal is not None) and stop.signal is None:
+    state, cfg, run = training.state, training.cfg, training.run
+    if agree(training.accelerator, stop.signal is not None) and stop.signal is None:
         stop.signal = "a signal to another process"
     if not (improved or state.step % cfg.save_every == 0 or state.step >= state.total_steps or stop.signal):
         return
-    folder = checkpoints.save(accelerator, state, run.path, cfg.keep_checkpoints, fingerprint)
+    folder = checkpoints.save(
+        training.accelerator, state, run.path, cfg.keep_checkpoints, training.fingerprint
+    )
     if stop.signal:
         raise Interrupted(
             f"{stop.signal}: stopped after optimizer step {state.step} of {state.total_steps}; "
             f"checkpoint {folder}. Continue with `loracls train --resume {run.path}`."
         )
-
-
-def optimizer_step(
-    accelerator: Accelerator,
-    optimizer: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    max_grad_norm: float,
-    loss: float,
-) -> tuple[torch.Tensor, bool]:
-    """Clip and apply the accumulated update; returns the gradient norm and whether the step was non-finite.
-
-    A non-finite step's update is not applied. Under fp16 the loss scaler decides that itself: clipping has
-    unscaled the gradients, and its `step` (which skips an update with inf/NaN gradients) must run so that
-    `update` lowers the scale and resets it for the next step; an overflowing scaled gradient is the scaler's
-    normal search for a scale and not counted, a non-finite loss is.
-    """
-    grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm)
-    scaled = accelerator.scaler is not None
-    nonfinite = agree(accelerator, not math.isfinite(loss) or (not scaled and not torch.isfinite(grad_norm)))
-    if scaled or not nonfinite:
-        optimizer.step()
-    return grad_norm, nonfinite
 
 
 def raised_by_min_steps(cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> str:
@@ -389,13 +428,6 @@ def raised_by_min_steps(cfg: TrainConfig, steps_per_epoch: int, total_steps: int
         return ""
     epochs = f"{cfg.epochs:g} epoch{'' if cfg.epochs == 1 else 's'}"
     return f": raised from {asked} ({epochs}) to min_steps={cfg.min_steps}; --min-steps 0 for {epochs} only"
-
-
-def window_weight(batch: int, batches: int, accumulation: int) -> float:
-    """Factor on the loss of micro-batch `batch` (1-based) of an epoch of `batches`, so that the epoch's
-    short last accumulation window (when `accumulation` does not divide `batches`) weighs as a full one."""
-    short = batches % accumulation
-    return accumulation / short if short and batch > batches - short else 1.0
 
 
 def accumulation(cfg: TrainConfig) -> int:
@@ -417,70 +449,6 @@ def agree(accelerator: Accelerator, flag: bool) -> bool:
     if accelerator.num_processes == 1:
         return flag
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "max"))
-
-
-def skip_nonfinite_step(
-    state: checkpoints.TrainerState, cfg: TrainConfig, run: RunFolder, loss: float, grad_norm: float
-) -> None:
-    """Count a step whose loss or gradient was NaN/inf (update not applied); stop past the allowance."""
-    state.skipped_nonfinite += 1
-    run.append_log({"kind": "skipped", "step": state.step, "loss": loss, "grad_norm": grad_norm})
-    if state.skipped_nonfinite > cfg.skip_nonfinite:
-        last = checkpoints.latest(run.path)
-        raise LoraclsError(
-            f"Non-finite loss or gradient at optimizer step {state.step} (loss {loss:.4g}, gradient norm "
-            f"{grad_norm:.4g}); the update was not applied. Last good checkpoint: {last or 'none yet'}. "
-            f"Lower --lr, use --precision fp32, or allow a few such steps with --skip-nonfinite N "
-            f"({cfg.skip_nonfinite} allowed now)."
-        )
-    console.print(
-        f"[yellow]step {state.step}: non-finite loss or gradient, update skipped "
-        f"({state.skipped_nonfinite} of {cfg.skip_nonfinite} allowed)[/]"
-    )
-
-
-def log_window(
-    state: checkpoints.TrainerState,
-    epoch: float,
-    lr: float,
-    grad_norm: torch.Tensor,
-    accelerator: Accelerator,
-) -> dict:
-    """The `train_log.jsonl` record of the log window that just ended; folds it into the run's totals.
-
-    Loss, examples and tokens are summed over the processes; time is this process's.
-    """
-    if accelerator.num_processes > 1:
-        sums = torch.tensor(
-            [state.window_loss, state.window_micro, state.window_examples, state.window_tokens],
-            dtype=torch.float64,
-            device=accelerator.device,
-        )
-        loss, micro, examples, tokens = accelerator.reduce(sums, "sum").tolist()
-        state.window_loss, state.window_micro = loss, int(micro)
-        state.window_examples, state.window_tokens = int(examples), int(tokens)
-    record = {
-        "kind": "train",
-        "step": state.step,
-        "epoch": round(epoch, 3),
-        "loss": state.window_loss / max(state.window_micro, 1),
-        "lr": lr,
-        "grad_norm": float(grad_norm),
-        "examples_per_s": state.window_examples / state.window_s,
-        "tokens_per_s": state.window_tokens / state.window_s,
-        **memory_gb(accelerator.device),
-    }
-    state.examples += state.window_examples
-    state.tokens += state.window_tokens
-    state.train_s += state.window_s
-    state.window_loss, state.window_micro, state.window_examples, state.window_tokens, state.window_s = (
-        0.0,
-        0,
-        0,
-        0,
-        0.0,
-    )
-    return record
 
 
 class Interrupted(LoraclsError):
@@ -514,45 +482,3 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
-
-
-def evaluation_probs(
-    model: torch.nn.Module,
-    dataset: Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    cfg: TrainConfig,
-    accelerator: Accelerator,
-    objective: Objective,
-) -> np.ndarray:
-    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
-    return predict_probs(
-        model,
-        dataset,
-        tokenizer,
-        eval_batch_size(cfg.micro_batch_size),
-        accelerator.device,
-        accelerator.autocast(),
-        accelerator,
-        objective,
-    )
-
-
-def validate(
-    model: PeftModel,
-    tokenizer: PreTrainedTokenizerBase,
-    val_set: Dataset,
-    splits: Splits,
-    cfg: TrainConfig,
-    run: RunFolder,
-    step: int,
-    accelerator: Accelerator,
-    objective: Objective,
-) -> dict:
-    """Score the validation split and write every prediction to `RUN/val_predictions/step_NNNNNN.jsonl`."""
-    probs = evaluation_probs(model, val_set, tokenizer, cfg, accelerator, objective)
-    # multi-label: checkpoints are compared at 0.5; thresholds are tuned once, on the best one
-    thresholds = np.full(len(splits.labels), 0.5) if cfg.multi_label else None
-    if run.main:
-        path = run.file(f"val_predictions/step_{step:06d}.jsonl")
-        write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
-    return score(splits.val, probs, splits.labels, thresholds)

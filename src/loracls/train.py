@@ -37,9 +37,9 @@ from loracls.devices import OFFLOAD_COST, mixed_precision, offload_in_use
 from loracls.diagnosis import Facts, diagnose
 from loracls.doctor import check_before_training, check_quantization, collect_facts
 from loracls.errors import LoraclsError
-from loracls.evaluate import score, tune_thresholds, write_predictions_jsonl
+from loracls.evaluate import evaluation_probs, score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
-from loracls.fit import FitResult, Interrupted, accumulation, evaluation_probs, fit
+from loracls.fit import FitResult, Interrupted, accumulation, fit
 from loracls.lora import apply_lora, targets_line, targets_table
 from loracls.micro_batch import micro_batch_size
 from loracls.model import describe, load_causal_lm, load_tokenizer, resolve_model
