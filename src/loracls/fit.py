@@ -36,6 +36,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import evaluation_probs, score_validation
 from loracls.objective import Objective
 from loracls.runs import RunFolder
+from loracls.trainer_state import TrainerState, window_sums
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Training:
     tokenizer: PreTrainedTokenizerBase
     cfg: TrainConfig
     run: RunFolder
-    state: checkpoints.TrainerState
+    state: TrainerState
     params: list[torch.nn.Parameter] = field(init=False)
     """The trainable parameters as the prepared model holds them (FSDP has replaced them with shards)."""
     fingerprint: dict | None = field(init=False)
@@ -220,11 +221,11 @@ def start_state(
     tokenizer: PreTrainedTokenizerBase,
     run: RunFolder,
     resume: Path | None,
-) -> checkpoints.TrainerState:
+) -> TrainerState:
     """A fresh `TrainerState`, or with `resume` the checkpoint's (adapter, optimizer, scheduler and RNG are
     restored into the prepared objects, and RUN/best is put back to the checkpoint's best)."""
     if resume is None:
-        return checkpoints.TrainerState(total_steps=total_steps)
+        return TrainerState(total_steps=total_steps)
     state = checkpoints.load(accelerator, resume)
     if run.main:
         checkpoints.restore_best(run, tokenizer, state)
@@ -258,7 +259,7 @@ class TrainClock:
     """Counts the seconds of training into the log window in progress; what runs `paused()` (validation,
     checkpoint writing) is left out, so the throughput figures are training alone."""
 
-    def __init__(self, state: checkpoints.TrainerState) -> None:
+    def __init__(self, state: TrainerState) -> None:
         self.state, self.mark = state, time.perf_counter()
 
     def lap(self) -> None:
@@ -273,7 +274,7 @@ class TrainClock:
         self.mark = time.perf_counter()
 
 
-def progress_bar(state: checkpoints.TrainerState) -> Progress:
+def progress_bar(state: TrainerState) -> Progress:
     """The transient bar of optimizer steps (task 0), with the latest loss beside it."""
     progress = Progress(
         TextColumn("[bold]train"),
@@ -357,7 +358,7 @@ def log_window(training: Training, grad_norm: torch.Tensor, epoch: float) -> dic
     Loss, examples and tokens are summed over the processes; time is this process's.
     """
     state, accelerator = training.state, training.accelerator
-    loss, micro, examples, tokens = checkpoints.window_sums(accelerator, state)
+    loss, micro, examples, tokens = window_sums(accelerator, state)
     record = {
         "kind": "train",
         "step": state.step,
