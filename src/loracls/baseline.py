@@ -1,13 +1,15 @@
 """The prompt baseline: the base model's causal-LM head scores each label's verbaliser after a prompt.
 
 No generation and no regex: for every prompt, the log-probability of each label's words (summed over their
-tokens) is read from the logits, computed only at the positions that predict those tokens.
+tokens) is read from the logits, computed only at the positions that predict those tokens. A run's first
+stage, `prompt_and_baseline`, chooses its prompt here and scores the baseline with the base model loaded once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,19 +17,20 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
 from sklearn.metrics import cohen_kappa_score
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
-from loracls.data import load_splits, stratified_sample
+from loracls.console import console
+from loracls.data import Splits, load_splits, stratified_sample
 from loracls.devices import inference_autocast, inference_device
 from loracls.errors import LoraclsError
 from loracls.evaluate import gather_rows, score, write_predictions_jsonl
 from loracls.labels import label_ids, sort_labels
 from loracls.micro_batch import CPU_MICRO_BATCH
 from loracls.model import load_causal_lm
-from loracls.objective import label_log_probs
+from loracls.objective import input_prompter, label_log_probs, objective_kind
 from loracls.prompts import (
     Prompt,
     Prompter,
@@ -37,7 +40,7 @@ from loracls.prompts import (
     pin_prompt,
     resolve_prompt,
 )
-from loracls.runs import write_json
+from loracls.runs import RunFolder, write_json
 from loracls.tables import BUILTIN_DATASETS, read_labelled
 
 PROMPT_KAPPA = 0.1
@@ -378,3 +381,96 @@ def baseline_line(metrics: dict) -> str:
         f"{metrics[other]['accuracy']:.4f}; label order reversed {metrics['swapped_order']['accuracy']:.4f}; "
         f"predicted: {dist}"
     )
+
+
+def prompt_and_baseline(
+    model_path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    splits: Splits,
+    cfg: TrainConfig,
+    run: RunFolder,
+    accelerator: Accelerator,
+    resume: Path | None,
+) -> tuple[dict | None, torch.Tensor | None]:
+    """What needs the base model's LM head, with it loaded once: the prompt (chosen on a training sample
+    with `prompt: auto`, then pinned in `cfg`, recorded in prompt.json; what else the objective decides
+    first, `pin_defaults`: an `objective: lm` run whether it reads prompts in the chat template), the
+    prompt baseline
+    on the test split, and the LM-head rows a verbaliser-initialised head starts from. `head_init: auto`
+    is decided here and pinned: `verbalizer` when the chosen prompt's answers on the training sample agree
+    with the labels beyond chance (`PromptChoice.informative`), else `zero` (and `zero` for multi-label).
+
+    Returns (the baseline's metrics or None, the head rows or None). A resumed run has them all already.
+    """
+    baseline_file = run.file("baseline_metrics.json")
+    stored = None
+    if resume is not None and baseline_file.is_file():
+        stored = json.loads(baseline_file.read_text(encoding="utf-8"))
+    kind = objective_kind(cfg.objective)
+    kind.pin_defaults(cfg, tokenizer)
+    wants_baseline = stored is None and baseline_applies(cfg, accelerator)
+    wants_prompt = resume is None and kind.needs_prompt(cfg)
+    wants_rows = wants_prompt and kind.trains_head
+    if not (wants_baseline or wants_prompt):
+        return stored, None
+    lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
+    with accelerator.autocast():
+        try:
+            one_token = kind.one_token_answers(cfg)
+            console.print(search_line(cfg, splits, wants_baseline), soft_wrap=True)
+            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=one_token)
+        except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
+            if not (wants_rows and cfg.head_init == "auto") or wants_baseline:
+                raise
+            cfg.head_init = "zero"
+            console.print(f"head_init auto: zero ({e})", soft_wrap=True)
+            return stored, None
+        pin_prompt(cfg, choice.prompt)
+        if wants_rows and cfg.head_init == "auto":
+            readable = answer_tokens(tokenizer, choice.prompt, splits.labels) is not None
+            cfg.head_init = "verbalizer" if readable and choice.informative() else "zero"
+            console.print(f"head_init auto: {cfg.head_init} ({choice.informative_line()})", soft_wrap=True)
+        run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
+        console.print(prompt_line(choice), soft_wrap=True)
+        baseline = stored
+        if wants_baseline:  # every process scores a share of the test prompts
+            out = run.path if run.main else None
+            baseline = run_baseline(
+                lm, tokenizer, splits.test, splits.labels, splits.train, cfg, out, accelerator.state, choice
+            )
+            console.print(baseline_line(baseline), soft_wrap=True)
+        rows = None
+        if wants_rows and cfg.prompted:  # the LM head's rows of each label's token after the prompt
+            prompter = input_prompter(tokenizer, cfg, splits.labels)  # refuses words a head cannot read
+            following = answer_tokens(tokenizer, prompter.prompt, splits.labels)[1]
+            rows = lm.get_output_embeddings().weight[following].detach().float().cpu().clone()
+    del lm
+    return baseline, rows
+
+
+def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:
+    """Before the prompt search: how much it scores, why it runs at all, and the options that skip it."""
+    count = len(candidate_prompts(splits.labels, list(splits.train["text"]), cfg))
+    sample = min(cfg.prompt_sample, len(splits.train))
+    why = [objective_kind(cfg.objective).why_prompt(cfg)]
+    why = [reason for reason in why if reason]
+    if wants_baseline:
+        why.append("the prompt baseline (--no-baseline)")
+    what = f"{count} candidate prompts" if count > 1 else "the prompt"
+    return f"prompt: scoring {what} on {sample} training examples, for {' and '.join(why)}"
+
+
+def baseline_applies(cfg: TrainConfig, accelerator: Accelerator) -> bool:
+    """Whether the run scores the prompt baseline: asked for, single-label, and not under FSDP."""
+    if not cfg.baseline:
+        return False
+    if cfg.multi_label:
+        console.print("[dim]baseline: the prompt baseline scores single-label tasks only; skipped[/]")
+        return False
+    if accelerator.is_fsdp2:
+        console.print(
+            "[dim]baseline: skipped under FSDP (it loads the whole model on one device); run "
+            "`loracls baseline` on a device it fits[/]"
+        )
+        return False
+    return True
