@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
-import typing
-from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +11,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loracls.config import GROUPS, PromptConfig, TrainConfig, field_docs, field_types, parse_overrides
+from loracls.cli_options import config_options
+from loracls.config import PromptConfig, TrainConfig, parse_overrides
+from loracls.console import confusion_table, int8_line, per_class_table
 from loracls.errors import LoraclsError
 
 app = typer.Typer(
@@ -68,44 +67,6 @@ def fail(error: LoraclsError) -> None:
     """Print the message without a traceback; exit 2 (130 for a run stopped by a signal)."""
     Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
     raise typer.Exit(getattr(error, "exit_code", 2))
-
-
-def config_options(command=None, *, only: type | None = None, names: dict[str, list[str]] | None = None):
-    """Give `command` one `--option` per config field (of `TrainConfig`, or of `only`), typed as the field,
-    its help from the field's docstring, its default shown, grouped by topic (`config.GROUPS`).
-
-    The options default to None, meaning "not given", so a YAML config and `key=value` overrides can fill
-    in what the command line left out. `names` gives a field other spellings (`--shots` beside
-    `--baseline-shots`).
-    """
-
-    def decorate(command):
-        docs, types = field_docs(), field_types()
-        panel = {key: group for group, keys in GROUPS.items() for key in keys}
-        params = []
-        by_name = {f.name: f for f in fields(only or TrainConfig)}
-        order = [key for keys in GROUPS.values() for key in keys if key in by_name]
-        for f in (by_name[key] for key in order):
-            kind = next((a for a in typing.get_args(types[f.name]) if a is not type(None)), types[f.name])
-            spelled = [f"--{f.name.replace('_', '-')}", *(names or {}).get(f.name, [])]
-            if kind is bool:
-                spelled = [f"{spelled[0]}/--no-{spelled[0][2:]}", *spelled[1:]]
-            option = typer.Option(
-                *spelled,
-                help=docs[f.name],
-                show_default="none" if f.default is None else str(f.default),
-                rich_help_panel=None if only else panel[f.name],
-            )
-            annotation = Annotated[kind | None, option]
-            params.append(
-                inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-            )
-        signature = inspect.signature(command, eval_str=True)
-        own = [p for p in signature.parameters.values() if p.name != "options"]
-        command.__signature__ = signature.replace(parameters=own + params)
-        return command
-
-    return decorate(command) if command is not None else decorate
 
 
 @app.command()
@@ -300,7 +261,7 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.inspection import inspect_data
+    from loracls.inspection import inspect_data, print_inspection
 
     try:
         cfg = TrainConfig(
@@ -324,23 +285,7 @@ def data_inspect(
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
         return
-    table = Table(
-        "split", "rows", "labels", "repeated", "chars p50/p95/max", "tokens p50/max", "> max_length"
-    )
-    for role, split in report["splits"].items():
-        tokens = split.get("tokens")
-        table.add_row(
-            role,
-            str(split["rows"]),
-            ", ".join(f"{k} {v}" for k, v in split["labels"].items()),
-            str(split["duplicate_texts"]),
-            "/".join(str(v) for v in split["chars"].values()),
-            f"{tokens['p50']}/{tokens['max']}" if tokens else "-",
-            f"{split['truncated_share']:.1%}" if tokens else "-",
-        )
-    console.print(table)
-    for finding in report["findings"]:
-        console.print(f"- {finding}", soft_wrap=True)
+    print_inspection(report, console)
 
 
 @app.command()
@@ -464,8 +409,8 @@ def serve(
     try:
         from loracls.cpu import check_int8_cpu, emulated_bf16_warning
         from loracls.devices import inference_device
-        from loracls.serve import ServeLimits
         from loracls.serve import serve as run_server
+        from loracls.serve_limits import ServeLimits
     except ImportError as e:
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
@@ -546,32 +491,3 @@ def sweep(
     if failed:
         console.print(f"[bold red]{len(failed)} run(s) failed:[/] {', '.join(failed)}")
         raise typer.Exit(1)
-
-
-def int8_line(check: dict) -> str:
-    """How the int8 path compared with fp32 on the run's test split."""
-    return (
-        f"int8: same prediction as fp32 on {check['agreement']:.1%} of {check['texts']} test texts, accuracy "
-        f"{check['accuracy_int8']:.4f} (fp32 {check['accuracy_fp32']:.4f})"
-    )
-
-
-def per_class_table(metrics: dict) -> Table:
-    table = Table("class", "precision", "recall", "F1", "support")
-    for name, row in metrics["per_class"].items():
-        table.add_row(
-            name,
-            f"{row['precision']:.3f}",
-            f"{row['recall']:.3f}",
-            f"{row['f1-score']:.3f}",
-            str(int(row["support"])),
-        )
-    return table
-
-
-def confusion_table(metrics: dict) -> Table:
-    names = list(metrics["per_class"])
-    table = Table("gold \\ predicted", *names, title="confusion matrix")
-    for name, row in zip(names, metrics["confusion_matrix"], strict=True):
-        table.add_row(name, *map(str, row))
-    return table

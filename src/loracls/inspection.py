@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pandas as pd
+from rich.console import Console
+from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
@@ -70,3 +72,24 @@ def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = N
                 findings.append(f"{role}: label(s) {unseen} never occur in the training data")
     report["findings"] = findings
     return report
+
+
+def print_inspection(report: dict, console: Console) -> None:
+    """`inspect_data`'s report as `loracls data-inspect` prints it: the splits' table, then the findings."""
+    table = Table(
+        "split", "rows", "labels", "repeated", "chars p50/p95/max", "tokens p50/max", "> max_length"
+    )
+    for role, split in report["splits"].items():
+        tokens = split.get("tokens")
+        table.add_row(
+            role,
+            str(split["rows"]),
+            ", ".join(f"{k} {v}" for k, v in split["labels"].items()),
+            str(split["duplicate_texts"]),
+            "/".join(str(v) for v in split["chars"].values()),
+            f"{tokens['p50']}/{tokens['max']}" if tokens else "-",
+            f"{split['truncated_share']:.1%}" if tokens else "-",
+        )
+    console.print(table)
+    for finding in report["findings"]:
+        console.print(f"- {finding}", soft_wrap=True)

@@ -19,7 +19,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -37,38 +36,7 @@ from loracls.labels import label_value
 from loracls.objective import objective_kind
 from loracls.predict import Classifier
 from loracls.runs import RunFolder
-
-
-@dataclass
-class ServeLimits:
-    """What one request and the queue may hold, and how batches are formed."""
-
-    max_batch: int = 32
-    """Texts the worker takes from the queue at once."""
-    pass_size: int | None = None
-    """Texts in one forward pass: the worker's batch, sorted by length, runs in passes of this many. None: the
-    whole batch in one pass on a GPU, passes of `CPU_PASS` on a CPU (see there)."""
-    max_wait_ms: float = 5.0
-    """How long the worker waits after the first waiting text for more to fill a batch."""
-    max_texts: int = 64
-    """Texts in one request at most (413 above)."""
-    max_chars: int = 20_000
-    """Characters in one text at most (413 above); a text is cut to the run's max_length tokens anyway."""
-    max_queue: int = 1024
-    """Texts waiting at most; a request that would exceed it is answered 503 with Retry-After."""
-    body_timeout: float = 10.0
-    """Seconds a request's body may take to arrive (408 and the connection closed after)."""
-    default_new_tokens: int = 64
-    """Tokens a `generate` request without `max_new_tokens` gets (`loracls predict --generate`'s default)."""
-    max_new_tokens: int = 256
-    """The most tokens a `generate` request may ask for (`objective: lm` models)."""
-
-    @property
-    def max_body_bytes(self) -> int:
-        """The largest body a request within `max_texts` and `max_chars` can need: 12 bytes a character
-        (a character outside the BMP written as two \\u escapes), a little per text and for the rest."""
-        return self.max_texts * (12 * self.max_chars + 64) + 65_536
-
+from loracls.serve_limits import BodyGuard, ServeLimits, error_body, unreadable_body
 
 DRAIN_LINGER = 1.0
 """Seconds a draining server keeps answering new requests with 503 + `Connection: close` at least, so that a
@@ -99,97 +67,7 @@ class PredictRequest(BaseModel):
     inputs: str | list[str]
 
 
-ERROR_TYPES = {
-    404: "NotFoundError",
-    405: "MethodNotAllowed",
-    408: "RequestTimeout",
-    413: "RequestTooLarge",
-    422: "BadRequestError",
-    500: "InternalServerError",
-    503: "ServiceUnavailable",
-}
-
 ROUTES = "POST /classify, /v1/classify, /predict; GET /health, /ready, /metrics, /v1/models, /info"
-
-
-def error_body(status: int, message: str) -> dict:
-    """The error shape of vLLM's OpenAI-compatible server."""
-    kind = ERROR_TYPES.get(status, "Error")
-    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodyGuard:
-    """ASGI middleware in front of the app: while draining (or after the worker died) every request gets 503
-    with `Connection: close`; a body over `max_body_bytes` gets 413 before it is read (by `Content-Length`) or
-    as soon as it streams past the cap; a body not complete within `body_timeout` seconds gets 408. Both close
-    the connection. The body read here is handed to the app as it came."""
-
-    def __init__(self, app, limits: ServeLimits, batcher: Batcher):
-        self.app, self.limits, self.batcher = app, limits, batcher
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if self.batcher.closed:
-            return await refuse(scope, receive, send, 503, self.batcher.closed_reason())
-        cap = self.limits.max_body_bytes
-        too_large = f"at most {cap} bytes (--max-texts x --max-chars)"
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > cap:
-            return await refuse(scope, receive, send, 413, f"the body has {int(length)} bytes; {too_large}")
-        try:
-            body = await asyncio.wait_for(read_body(receive, cap), self.limits.body_timeout)
-        except BodyTooLarge:
-            return await refuse(scope, receive, send, 413, f"the body is over {cap} bytes; {too_large}")
-        except asyncio.TimeoutError:
-            late = f"the request body did not arrive within {self.limits.body_timeout:g} s (--body-timeout)"
-            return await refuse(scope, receive, send, 408, late)
-        if body is None:  # the client went away
-            return None
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
-
-
-async def read_body(receive, cap: int) -> bytes | None:
-    """The whole body, or None if the client disconnected; `BodyTooLarge` once it passes `cap` bytes."""
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > cap:
-            raise BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def refuse(scope, receive, send, status: int, message: str) -> None:
-    response = JSONResponse(error_body(status, message), status, headers={"Connection": "close"})
-    await response(scope, receive, send)
-
-
-def unreadable_body(cause: BaseException | None) -> str:
-    """Why FastAPI could not parse a body that the JSON decoder did not reject as such."""
-    if isinstance(cause, UnicodeDecodeError):
-        return "the request body is not valid JSON: it is not UTF-8"
-    if isinstance(cause, RecursionError):
-        return "the request body is not valid JSON here: it is nested too deeply"
-    return f"the request body is not valid JSON ({type(cause).__name__})"
 
 
 def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -> FastAPI:
@@ -215,97 +93,19 @@ def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -
         metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         return response
 
-    @app.exception_handler(ServeError)
-    async def refused(request: Request, error: ServeError) -> JSONResponse:
-        return JSONResponse(error_body(error.status, error.message), error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        status, message = error.status_code, str(error.detail)
-        if status == 400:  # FastAPI's "There was an error parsing the body"
-            status, message = 422, unreadable_body(error.__cause__)
-        elif status == 404:
-            message = f"no route {request.url.path}; the routes are {ROUTES}"
-        elif status == 405:
-            message = f"{request.method} is not allowed on {request.url.path}; the routes are {ROUTES}"
-        return JSONResponse(error_body(status, message), status, headers=error.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        errors = error.errors()
-        if any(e["type"] == "json_invalid" for e in errors):
-            return JSONResponse(error_body(422, "the request body is not valid JSON"), 422)
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors
-        )
-        return JSONResponse(error_body(422, f"invalid request: {problems}"), 422)
-
-    async def classify_texts(texts: list[str], generate: int | None = None) -> list[dict]:
-        if batcher.failed is not None:
-            raise ServeError(503, f"the model failed to load: {batcher.failed}")
-        if not batcher.ready.is_set():
-            raise ServeError(503, "the model is loading; retry shortly", {"Retry-After": "5"})
-        check_texts(texts, limits)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def done(result: list[dict] | BaseException) -> None:
-            def settle() -> None:
-                if future.done():  # the client went away
-                    return
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-            loop.call_soon_threadsafe(settle)
-
-        batcher.submit(Job(texts, generate, done))
-        try:
-            return await future
-        except ServeError:
-            raise
-        except Exception as e:  # noqa: BLE001 - this request failed: a 500 with the reason
-            raise ServeError(500, f"classification failed: {type(e).__name__}: {e}") from None
+    add_error_handlers(app)
 
     @app.post("/classify")
     @app.post("/v1/classify")
     async def classify(body: ClassifyRequest) -> dict:
         texts = [body.input] if isinstance(body.input, str) else body.input
-        generate = None
-        if body.generate:
-            if not objective_kind(info["objective"]).generates:
-                raise ServeError(
-                    422, "generate needs a model trained with objective: lm (this one has a head)"
-                )
-            asked = body.max_new_tokens
-            generate = limits.default_new_tokens if asked is None else asked
-            if not 1 <= generate <= limits.max_new_tokens:
-                raise ServeError(
-                    422,
-                    f"max_new_tokens must be 1..{limits.max_new_tokens}, not {generate} "
-                    f"(left out: {limits.default_new_tokens})",
-                )
-        records = await classify_texts(texts, generate)
-        tokens = sum(r.pop("prompt_tokens") for r in records)
-        return {
-            "id": f"classify-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": info["name"],
-            "data": [{"index": i, **r} for i, r in enumerate(records)],
-            "usage": {
-                "prompt_tokens": tokens,
-                "total_tokens": tokens,
-                "completion_tokens": 0,
-                "prompt_tokens_details": None,
-            },
-        }
+        records = await classify_texts(batcher, limits, texts, new_tokens(body, limits, info))
+        return classify_response(records, info["name"])
 
     @app.post("/predict")
     async def predict(body: PredictRequest) -> list:
         single = isinstance(body.inputs, str)
-        records = await classify_texts([body.inputs] if single else body.inputs)
+        records = await classify_texts(batcher, limits, [body.inputs] if single else body.inputs)
         ranked = [
             sorted(
                 ({"label": label, "score": p} for label, p in zip(info["labels"], r["probs"], strict=True)),
@@ -343,6 +143,105 @@ def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -
         return {**info, "limits": limits.__dict__}
 
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every refusal as the one error object (`error_body`): loracls's own (`ServeError`), FastAPI's routing
+    and body errors, and request validation, each with a message that names the route, field or problem."""
+
+    @app.exception_handler(ServeError)
+    async def refused(request: Request, error: ServeError) -> JSONResponse:
+        return JSONResponse(error_body(error.status, error.message), error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        status, message = error.status_code, str(error.detail)
+        if status == 400:  # FastAPI's "There was an error parsing the body"
+            status, message = 422, unreadable_body(error.__cause__)
+        elif status == 404:
+            message = f"no route {request.url.path}; the routes are {ROUTES}"
+        elif status == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; the routes are {ROUTES}"
+        return JSONResponse(error_body(status, message), status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        errors = error.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            return JSONResponse(error_body(422, "the request body is not valid JSON"), 422)
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors
+        )
+        return JSONResponse(error_body(422, f"invalid request: {problems}"), 422)
+
+
+async def classify_texts(
+    batcher: Batcher, limits: ServeLimits, texts: list[str], generate: int | None = None
+) -> list[dict]:
+    """One request's texts through the batcher's queue: refused while the model loads or failed, or past
+    the limits (`check_texts`); a failure of this request alone is a 500 with the reason."""
+    if batcher.failed is not None:
+        raise ServeError(503, f"the model failed to load: {batcher.failed}")
+    if not batcher.ready.is_set():
+        raise ServeError(503, "the model is loading; retry shortly", {"Retry-After": "5"})
+    check_texts(texts, limits)
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def done(result: list[dict] | BaseException) -> None:
+        def settle() -> None:
+            if future.done():  # the client went away
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        loop.call_soon_threadsafe(settle)
+
+    batcher.submit(Job(texts, generate, done))
+    try:
+        return await future
+    except ServeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - this request failed: a 500 with the reason
+        raise ServeError(500, f"classification failed: {type(e).__name__}: {e}") from None
+
+
+def new_tokens(body: ClassifyRequest, limits: ServeLimits, info: dict) -> int | None:
+    """How many tokens a `generate` request may say (None: classification only); refused for a model with
+    a head, or outside 1..`max_new_tokens`."""
+    if not body.generate:
+        return None
+    if not objective_kind(info["objective"]).generates:
+        raise ServeError(422, "generate needs a model trained with objective: lm (this one has a head)")
+    asked = body.max_new_tokens
+    generate = limits.default_new_tokens if asked is None else asked
+    if not 1 <= generate <= limits.max_new_tokens:
+        raise ServeError(
+            422,
+            f"max_new_tokens must be 1..{limits.max_new_tokens}, not {generate} "
+            f"(left out: {limits.default_new_tokens})",
+        )
+    return generate
+
+
+def classify_response(records: list[dict], model: str) -> dict:
+    """`/classify`'s body, as vLLM's classification API shapes it (with its token usage)."""
+    tokens = sum(r.pop("prompt_tokens") for r in records)
+    return {
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [{"index": i, **r} for i, r in enumerate(records)],
+        "usage": {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
 
 
 def check_texts(texts: list[str], limits: ServeLimits) -> None:
