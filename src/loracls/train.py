@@ -37,7 +37,7 @@ from loracls.errors import LoraclsError
 from loracls.evaluate import evaluation_probs, score, tune_thresholds, write_predictions_jsonl
 from loracls.files import disk_full, no_space, written_file
 from loracls.fit import FitResult, Interrupted, accumulation, fit
-from loracls.lora import apply_lora, targets_line, targets_table
+from loracls.lora import TargetPlan, apply_lora, targets_line, targets_table
 from loracls.micro_batch import micro_batch_size
 from loracls.model import describe, load_tokenizer, resolve_model
 from loracls.objective import Objective, input_prompter, objective_kind
@@ -323,6 +323,26 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         "test": test,
         "baseline": baseline_summary(baseline),
         "best_val": {"step": result.best_step, **result.best_val},
+        **run_figures(result, cfg, splits, share, plan, accelerator),
+    }
+    run.write_json("metrics.json", metrics)
+    accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
+    del model, best  # under DDP/FSDP they hold the process group, which end_processes() destroys
+    end_processes(accelerator)
+    return metrics
+
+
+def run_figures(
+    result: FitResult,
+    cfg: TrainConfig,
+    splits: Splits,
+    share: float,
+    plan: TargetPlan,
+    accelerator: Accelerator,
+) -> dict:
+    """What metrics.json records of how the run trained: throughput and batch, data sizes and notes, the
+    trainable parameters."""
+    return {
         "train": {
             **result.throughput,
             "micro_batch_size": cfg.micro_batch_size,
@@ -342,11 +362,6 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
             "share": plan.share,
         },
     }
-    run.write_json("metrics.json", metrics)
-    accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
-    del model, best  # under DDP/FSDP they hold the process group, which end_processes() destroys
-    end_processes(accelerator)
-    return metrics
 
 
 def end_processes(accelerator: Accelerator) -> None:
