@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from loracls import cpu, devices
+from loracls import devices
 
 
 def test_auto_precision_uses_bf16_only_on_cpus_that_compute_it():
@@ -13,10 +13,6 @@ def test_auto_precision_uses_bf16_only_on_cpus_that_compute_it():
     assert devices.mixed_precision("auto", "cpu", flags={"amx_bf16", "amx_tile"}) == "bf16"
     assert devices.mixed_precision("fp32", "cpu", flags={"avx512_bf16"}) == "no"
     assert devices.mixed_precision("bf16", "cpu", flags=set()) == "bf16"
-    assert "emulated" in cpu.emulated_bf16_warning("bf16", "cpu", flags={"avx2", "fma"})
-    assert cpu.emulated_bf16_warning("bf16", "cpu", flags={"avx512_bf16"}) is None
-    assert cpu.emulated_bf16_warning("auto", "cpu", flags={"avx2"}) is None
-    assert cpu.emulated_bf16_warning("bf16", "cuda", flags={"avx2"}) is None
 
 
 def test_offload_is_named_from_the_launch_configuration():

@@ -125,14 +125,6 @@ def test_int8_is_refused_before_loading_on_a_cpu_without_int8_instructions(run, 
     assert invoke("predict", run, "--int8", *TEXTS).exit_code == 0
 
 
-def test_which_cpus_run_int8():
-    assert not cpu.cpu_has_fast_int8({"avx2", "fma", "avx512f", "avx512bw"}, "x86_64")
-    assert cpu.cpu_has_fast_int8({"avx2", "avx_vnni"}, "x86_64")
-    assert cpu.cpu_has_fast_int8({"avx512f", "avx512_vnni"}, "x86_64")
-    assert cpu.cpu_has_fast_int8({"amx_int8", "amx_tile"}, "AMD64")
-    assert cpu.cpu_has_fast_int8(set(), "aarch64")  # not measured there: not refused
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_quantises_and_stays_close_to_fp32(trained, family):
     classifier = Classifier.load(trained[family][0])
