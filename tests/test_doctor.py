@@ -1,4 +1,4 @@
-"""`loracls doctor`: verdicts on recorded machines, tool-output parsing, and the child-process smoke test."""
+"""`loracls doctor`: the facts it collects, the child-process smoke test, the command and its checkup."""
 
 import json
 
