@@ -282,10 +282,10 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
     asks for."""
     from peft.tuners.lora import LoraModel
 
-    import loracls.predict
+    import loracls.objective
     import loracls.train
 
-    real, asked, merges = loracls.train.load_classifier, [], []
+    real, asked, merges = loracls.objective.load_classifier, [], []
 
     def loader(*args, **kwargs):  # records the quantisation asked for, loads full precision
         args = list(args)
@@ -298,8 +298,7 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
 
     merge = LoraModel.merge_and_unload
     monkeypatch.setattr(LoraModel, "merge_and_unload", lambda self, *a, **k: merges.append(1) or merge(self))
-    monkeypatch.setattr(loracls.train, "load_classifier", loader)
-    monkeypatch.setattr(loracls.predict, "load_classifier", loader)
+    monkeypatch.setattr(loracls.objective, "load_classifier", loader)  # what training and eval both load
     monkeypatch.setattr(loracls.train, "check_quantization", lambda *args: None)
     out = tmp_path / "qlora"
     args = ["train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--no-baseline", *FAST]

@@ -51,11 +51,13 @@ def short_args(model: Path, data: Path, out: Path, *extra) -> list:
     return ["train", "--model", model, "--data", data, "--out", out, *SHORT, *extra]
 
 
-def signal_during(stage: str, signal_number: int, args: list, tmp_path: Path) -> tuple[int, str]:
-    """Run `loracls train` with `loracls.train.<stage>` paused, send `signal_number` once it is reached;
+def signal_during(
+    stage: str, signal_number: int, args: list, tmp_path: Path, module: str = "loracls.train"
+) -> tuple[int, str]:
+    """Run `loracls train` with `<module>.<stage>` paused, send `signal_number` once it is reached;
     returns (exit code, stderr with the lines joined)."""
     marker = tmp_path / f"{stage}.reached"
-    command = [sys.executable, "-c", PAUSED, "loracls.train", stage, str(marker), *map(str, args)]
+    command = [sys.executable, "-c", PAUSED, module, stage, str(marker), *map(str, args)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not marker.exists():
@@ -145,7 +147,7 @@ def test_signal_before_the_first_checkpoint_then_overwrite(tiny_models, toy_csv,
     second `train --out` all say --overwrite, which then starts the run again in the same folder."""
     out = tmp_path / "run"
     args = short_args(tiny_models["llama"], toy_csv, out)
-    code, stderr = signal_during("load_classifier", signal.SIGINT, args, tmp_path)
+    code, stderr = signal_during("load_classifier", signal.SIGINT, args, tmp_path, "loracls.objective")
     assert code == 130 and "Traceback" not in stderr
     assert "SIGINT: stopped while loading the model; start it again (no checkpoint yet)" in stderr
     assert "--overwrite" in stderr
