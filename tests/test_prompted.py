@@ -23,12 +23,19 @@ from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 LABELS = ["negative", "positive"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_step_zero_answers_what_the_zero_shot_prompt_answers(tiny_models, family):
+@pytest.mark.parametrize(
+    ("family", "softcapped"),
+    [(family, False) for family in FAMILIES]
+    + [(family, True) for family in ("gemma3", "gemma4", "gemma4mm")],
+)
+def test_step_zero_answers_what_the_zero_shot_prompt_answers(tiny_models, family, softcapped):
     """The head built from the LM head's rows gives, on every text, the label whose verbaliser token the
-    uncalibrated zero-shot prompt ranks first, and the LM's very logits for those tokens."""
+    uncalibrated zero-shot prompt ranks first, and its logits are the LM's logits for those tokens before the
+    LM's final softcap (Gemma's `final_logit_softcapping`: cap * tanh(logit / cap), which the head lacks)."""
     path = str(tiny_models[family])
     tokenizer, lm = load_tokenizer(path), load_causal_lm(path)
+    text_config = lm.config.get_text_config()
+    assert getattr(text_config, "final_logit_softcapping", None) is None  # the tiny models have no cap
     prompt = resolve_prompt(
         LABELS, [], PromptConfig(prompt="en-label", verbalizers="negative=bad,positive=good")
     )
@@ -42,15 +49,27 @@ def test_step_zero_answers_what_the_zero_shot_prompt_answers(tiny_models, family
     dataset = tokenize(table, tokenizer, 64, {"negative": 0, "positive": 1}, prompter)
     with torch.no_grad():
         head = predict_probs(classifier, dataset, tokenizer, batch_size=5)  # padded batches of mixed length
+        logits = np.array(
+            [classifier(input_ids=torch.tensor([x])).logits[0].numpy() for x in dataset["input_ids"]]
+        )
+        cap = None
+        if softcapped:  # Gemma 2 ships 30.0; this one at the tiny logits' scale, where tanh bends them
+            cap = text_config.final_logit_softcapping = float(np.abs(logits).max()) / 2  # read in forward
         zero_shot = label_log_probs(
             lm, tokenizer, prompter.encode(list(table["text"])), [[t] for t in following]
         )
-    assert head.argmax(1).tolist() == zero_shot.argmax(1).tolist()
-    if getattr(lm.config.get_text_config(), "final_logit_softcapping", None) is None:
-        # softmax over the two label tokens, from the head and from the LM's full-vocabulary log-probabilities
-        np.testing.assert_allclose(
-            head, np.exp(zero_shot) / np.exp(zero_shot).sum(1, keepdims=True), atol=1e-4
-        )
+    assert head.argmax(1).tolist() == zero_shot.argmax(1).tolist()  # a softcap keeps the order
+    np.testing.assert_allclose(head, softmax(logits), atol=1e-4)
+    capped = logits if cap is None else cap * np.tanh(logits / cap)
+    # softmax over the two label tokens, from the head's logits capped as the LM caps its own, and from the
+    # LM's full-vocabulary log-probabilities
+    np.testing.assert_allclose(softmax(capped), softmax(zero_shot), atol=1e-4)
+    if softcapped:  # the cap is in force: the head's uncapped probabilities are not the LM's
+        assert np.abs(head - softmax(zero_shot)).max() > 1e-3
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    return np.exp(scores) / np.exp(scores).sum(1, keepdims=True)
 
 
 def test_labels_that_part_on_the_same_token_are_refused_for_a_head(tiny_models, tmp_path):
