@@ -7,7 +7,6 @@ import io
 import json
 import re
 import shutil
-from types import SimpleNamespace
 
 import matplotlib.image
 import pytest
@@ -121,36 +120,54 @@ def test_tracking_without_its_package_is_refused_clearly(monkeypatch, tiny_model
     assert not (tmp_path / "run").exists()  # refused before the run started
 
 
-def test_chinese_label_names_get_a_cjk_font_or_a_note(tiny_models, tmp_path, monkeypatch):
-    """matplotlib's default font has no CJK glyphs: 正面/负面 were drawn as empty boxes."""
-    import warnings
+@pytest.fixture(scope="module")
+def chinese_run(tiny_models, tmp_path_factory):
+    """A finished run whose label names are Chinese (正面/负面)."""
+    from tests.conftest import toy_reviews
 
-    from loracls import report
-    from tests.conftest import FAST, toy_reviews
-
-    data = tmp_path / "zh.csv"
+    root = tmp_path_factory.mktemp("zh")
+    data = root / "zh.csv"
     table = toy_reviews(60)
     table["label"] = table["label"].map({"positive": "正面", "negative": "负面"})
     table.to_csv(data, index=False)
-    out = tmp_path / "run"
+    out = root / "run"
     result = invoke(
         "train", "--model", tiny_models["llama"], "--data", data, "--out", out, "--no-baseline", *FAST
     )
     assert result.exit_code == 0, result.output
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        page = report.build_report(out).read_text()
-    missing = [w for w in caught if "missing from font" in str(w.message)]
-    installed = {f.name for f in report.font_manager.fontManager.ttflist}
-    if set(report.CJK_FONTS) & installed:
-        assert not missing and "No font with Chinese" not in page
+    return out
+
+
+@pytest.mark.parametrize("cjk_font", [True, False])
+def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, monkeypatch):
+    """matplotlib's default font has no CJK glyphs: 正面/负面 were drawn as empty boxes. With a CJK font
+    installed (faked: DejaVu Sans's file under the second of `CJK_FONTS`' names) it goes in front of the
+    default one; without one (every installed font but those) the page says what to install."""
+    import dataclasses
+
+    from loracls import report
+
+    fonts = [f for f in report.font_manager.fontManager.ttflist if f.name not in report.CJK_FONTS]
+    dejavu = next(f for f in fonts if f.name == "DejaVu Sans")
+    if cjk_font:
+        fonts.append(dataclasses.replace(dejavu, name=report.CJK_FONTS[1]))
+    monkeypatch.setattr(report.font_manager.fontManager, "ttflist", fonts)
+    monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans", "Arial"])
+    monkeypatch.setitem(report.plt.rcParams, "font.family", ["serif"])
+    page = report.build_report(chinese_run).read_text()
+    sans = report.plt.rcParams["font.sans-serif"]
+    if cjk_font:
+        assert "No font with Chinese" not in page
+        assert sans == [report.CJK_FONTS[1], "DejaVu Sans", "Arial"]
+        assert report.plt.rcParams["font.family"] == ["sans-serif"]
+        assert report.use_cjk_font(["正面", "负面"]) is None  # a second report does not add it again
+        assert report.plt.rcParams["font.sans-serif"] == sans
     else:
-        assert "No font with Chinese" in page and "fonts-noto-cjk" in page
-    # with a CJK font (faked as the first in the list), it is put in front of the default one
-    monkeypatch.setattr(
-        report.font_manager.fontManager, "ttflist", [SimpleNamespace(name="WenQuanYi Zen Hei")]
-    )
+        note = "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show"
+        assert note in page and "apt-get install fonts-noto-cjk" in page
+        assert sans == ["DejaVu Sans", "Arial"] and report.plt.rcParams["font.family"] == ["serif"]
+    assert len(embedded_images(page)) == 3  # the plots are drawn either way
+    # labels without CJK characters leave the fonts alone and get no note
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
-    assert report.use_cjk_font(["正面", "负面"]) is None
-    assert report.plt.rcParams["font.sans-serif"][0] == "WenQuanYi Zen Hei"
     assert report.use_cjk_font(["positive", "negative"]) is None
+    assert report.plt.rcParams["font.sans-serif"] == ["DejaVu Sans"]
