@@ -127,7 +127,7 @@ def test_clearing_hf_quantizer_lets_a_dequantised_model_save(tiny_models, tmp_pa
 
 
 def test_should_reduce_batch_size_knows_each_backends_out_of_memory():
-    """`sizing.fits_on_device` asks accelerate's `should_reduce_batch_size` whether an exception is an
+    """`micro_batch.fits_on_device` asks accelerate's `should_reduce_batch_size` whether an exception is an
     out-of-memory error (any backend: "no, it does not fit") or a bug to raise."""
     try:
         torch.empty(2**62, dtype=torch.uint8)  # a real CPU allocation failure, raised at once
@@ -139,12 +139,12 @@ def test_should_reduce_batch_size_knows_each_backends_out_of_memory():
         "MPS backend out of memory (MPS allocated: 1.00 GB)",
     ]
     for error in [cpu, torch.OutOfMemoryError(messages[0]), *map(RuntimeError, messages[1:])]:
-        assert should_reduce_batch_size(error), f"sizing.fits_on_device would raise this OOM: {error}"
+        assert should_reduce_batch_size(error), f"micro_batch.fits_on_device would raise this OOM: {error}"
     for error in [
         ValueError("CUDA out of memory."),
         RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
     ]:
-        assert not should_reduce_batch_size(error), f"sizing.fits_on_device would hide this error: {error}"
+        assert not should_reduce_batch_size(error), f"micro_batch.fits_on_device hides: {error}"
 
 
 def test_parse_flag_from_env_reads_the_fsdp_flag(monkeypatch):
