@@ -452,8 +452,8 @@ def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:
     """Before the prompt search: how much it scores, why it runs at all, and the options that skip it."""
     count = len(candidate_prompts(splits.labels, list(splits.train["text"]), cfg))
     sample = min(cfg.prompt_sample, len(splits.train))
-    why = [objective_kind(cfg.objective).why_prompt(cfg)]
-    why = [reason for reason in why if reason]
+    reason = objective_kind(cfg.objective).why_prompt(cfg)
+    why = [reason] if reason else []
     if wants_baseline:
         why.append("the prompt baseline (--no-baseline)")
     what = f"{count} candidate prompts" if count > 1 else "the prompt"

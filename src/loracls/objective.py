@@ -78,8 +78,9 @@ class ClassificationHead:
 
     @staticmethod
     def load_as_users_do(path: str) -> PreTrainedModel:
-        """A merged export the way a plain-transformers user loads it (what `check_reload` compares)."""
-        return from_pretrained(path, dtype=torch.float32).eval()
+        """A merged export the way a plain-transformers user loads it (what `check_reload` compares): as
+        loracls does."""
+        return ClassificationHead.load_export(path).eval()
 
     @staticmethod
     def prompter(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, labels: list[str]) -> Prompter | None:
