@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags, cpu_has_fast_bf16
-from loracls.runs import environment
+from loracls.environment.cpu import CPU_PRECISION_FLAGS, cpu_flags, cpu_has_fast_bf16
+from loracls.training.runs import environment
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,8 +1,8 @@
 """Which precision is fastest for inference on this CPU: fp32, bf16 or int8 (`--int8`)?
 
-`--precision auto` picks bf16 only on CPUs with AVX-512-BF16 or AMX (`loracls.cpu`), and
+`--precision auto` picks bf16 only on CPUs with AVX-512-BF16 or AMX (`loracls.environment.cpu`), and
 `--int8` runs only where `torch._int_mm` has int8 dot-product instructions (AVX-512-VNNI, AVX-VNNI or AMX:
-`loracls.cpu`); elsewhere both are emulated. This script measures what those rules stand on,
+`loracls.environment.cpu`); elsewhere both are emulated. This script measures what those rules stand on,
 on the machine it runs on. Baseline: fp32, measured in the same run.
 
 1. The decoder's own matmuls (Gemma 3 270M's linear-layer shapes, each weighted by how often the model has
@@ -10,7 +10,8 @@ on the machine it runs on. Baseline: fp32, measured in the same run.
    `--int8` runs), and torch's dynamic int8 linear (`quantize_dynamic`, fbgemm: one activation range per
    tensor, which changed 22% of the demo classifier's labels; for comparison only).
 2. The whole classifier's forward pass on the same `--texts` zh reviews in batches of 8: fp32, bf16
-   autocast, and int8 (`loracls.int8.quantize`, calibrated on the same texts: speed only, no accuracy).
+   autocast, and int8 (`loracls.inference.int8.quantize`, calibrated on the same texts: speed only, no
+   accuracy).
 
     python benchmarks/cpu_precisions.py [--rows 512] [--texts 16] [--out FILE_OR_FOLDER]
 
@@ -31,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_result  # noqa: E402
 
-from loracls import int8  # noqa: E402
-from loracls.cpu import cpu_flags, cpu_has_fast_bf16, cpu_has_fast_int8  # noqa: E402
-from loracls.devices import mixed_precision  # noqa: E402
+from loracls.data.tables import read_builtin  # noqa: E402
+from loracls.environment.cpu import cpu_flags, cpu_has_fast_bf16, cpu_has_fast_int8  # noqa: E402
+from loracls.environment.devices import mixed_precision  # noqa: E402
+from loracls.inference import int8  # noqa: E402
 from loracls.model import load_classifier, load_tokenizer, resolve_model  # noqa: E402
-from loracls.tables import read_builtin  # noqa: E402
 
 
 def best_seconds(fn, budget_s: float, at_most: int = 20) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 from common import RESULTS, write_result
 
 from loracls.config import TrainConfig, parse_overrides
-from loracls.train import train
+from loracls.training.train import train
 
 CONFIG = Path(__file__).parents[1] / "configs/demo.yaml"
 

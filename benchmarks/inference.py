@@ -12,11 +12,11 @@ The work is the same for every way: the forward FLOPs of the texts, unpadded (co
 its share of the square-matmul peak of its precision, measured in the same run, says how much faster any way
 could go on this machine.
 
-int8 (CPU only; `loracls.int8`): the run's classifier calibrated and checked exactly as `--int8` does
-(`measure_int8`: same prediction as fp32 on >= 99% of the test split, accuracy within 0.5 point), then timed;
-baseline fp32, and the device's `auto` precision beside it. Every loracls way is timed at its default batch
-size and at 8 texts per pass. Give `--run` a trained run (the demo's, `benchmarks/runs/demo-benchmark`) for
-accuracies that mean something; without it a 2-step run is made, fine for speed only.
+int8 (CPU only; `loracls.inference.int8`): the run's classifier calibrated and checked exactly as `--int8`
+does (`measure_int8`: same prediction as fp32 on >= 99% of the test split, accuracy within 0.5 point), then
+timed; baseline fp32, and the device's `auto` precision beside it. Every loracls way is timed at its default
+batch size and at 8 texts per pass. Give `--run` a trained run (the demo's, `benchmarks/runs/demo-benchmark`)
+for accuracies that mean something; without it a 2-step run is made, fine for speed only.
 
     python benchmarks/inference.py [--texts 500] [--run RUN]
 
@@ -38,12 +38,12 @@ from common import RESULTS, fitted_flops, write_result  # noqa: E402
 from mfu import DTYPES, peak_flops  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
-from loracls.devices import mixed_precision  # noqa: E402
-from loracls.export import export_run  # noqa: E402
-from loracls.export_format import read_export_info  # noqa: E402
-from loracls.predict import Classifier, measure_int8  # noqa: E402
-from loracls.runs import RunFolder  # noqa: E402
-from loracls.train import train  # noqa: E402
+from loracls.environment.devices import mixed_precision  # noqa: E402
+from loracls.inference.export import export_run  # noqa: E402
+from loracls.inference.export_format import read_export_info  # noqa: E402
+from loracls.inference.predict import Classifier, measure_int8  # noqa: E402
+from loracls.training.runs import RunFolder  # noqa: E402
+from loracls.training.train import train  # noqa: E402
 
 
 def make_run(model: str, data: str, folder: Path) -> Path:

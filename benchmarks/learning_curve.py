@@ -44,9 +44,9 @@ from common import CODE, RESULTS, machine, write_result
 from lora_vs_tfidf import tfidf_scores
 
 from loracls.config import TrainConfig, parse_overrides
-from loracls.data import load_splits, stratified_sample
-from loracls.devices import mixed_precision
-from loracls.train import train
+from loracls.data.splits import load_splits, stratified_sample
+from loracls.environment.devices import mixed_precision
+from loracls.training.train import train
 
 WAYS = {
     "today": {"head_init": "zero", "lr": 2e-4, "epochs": 2.0, "min_steps": 0},

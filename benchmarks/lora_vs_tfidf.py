@@ -27,9 +27,9 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import accuracy_score, f1_score
 
 from loracls.config import TrainConfig, parse_overrides
-from loracls.data import load_splits
-from loracls.runs import environment
-from loracls.train import train
+from loracls.data.splits import load_splits
+from loracls.training.runs import environment
+from loracls.training.train import train
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, fitted_flops, write_result  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
-from loracls.data import load_splits  # noqa: E402
+from loracls.data.splits import load_splits  # noqa: E402
 from loracls.lora import apply_lora  # noqa: E402
 from loracls.model import load_classifier, load_tokenizer, resolve_model  # noqa: E402
-from loracls.train import train  # noqa: E402
+from loracls.training.train import train  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

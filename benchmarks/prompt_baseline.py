@@ -22,11 +22,11 @@ from pathlib import Path
 import pandas as pd
 from common import write_result
 
-from loracls.baseline import choose_prompt, run_baseline
 from loracls.config import TrainConfig
-from loracls.data import load_splits
+from loracls.data.prompts import candidate_prompts, pin_prompt
+from loracls.data.splits import load_splits
 from loracls.model import load_causal_lm, load_tokenizer, resolve_model
-from loracls.prompts import candidate_prompts, pin_prompt
+from loracls.training.baseline import choose_prompt, run_baseline
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ from common import RESULTS, write_result  # noqa: E402
 from inference import make_export  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
-from loracls.data import load_splits  # noqa: E402
-from loracls.predict import Classifier  # noqa: E402
-from loracls.serve import CPU_PASS  # noqa: E402
+from loracls.data.splits import load_splits  # noqa: E402
+from loracls.inference.predict import Classifier  # noqa: E402
+from loracls.inference.serve import CPU_PASS  # noqa: E402
 
 
 def free_port() -> int:

@@ -50,13 +50,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, peak_memory_gb, write_result  # noqa: E402
 
-from loracls.batching import make_loader  # noqa: E402
 from loracls.config import TrainConfig  # noqa: E402
-from loracls.data import load_splits  # noqa: E402
-from loracls.devices import mixed_precision  # noqa: E402
-from loracls.evaluate import predict_probs, score  # noqa: E402
+from loracls.data.batching import make_loader  # noqa: E402
+from loracls.data.splits import load_splits  # noqa: E402
+from loracls.data.tokenization import tokenize  # noqa: E402
+from loracls.environment.devices import mixed_precision  # noqa: E402
 from loracls.model import load_classifier, load_tokenizer, resolve_model  # noqa: E402
-from loracls.tokenization import tokenize  # noqa: E402
+from loracls.training.evaluate import predict_probs, score  # noqa: E402
 
 BATCH = 16
 MAX_LENGTH = 256
@@ -206,7 +206,7 @@ def synchronize(device: torch.device) -> None:
 
 def child(args: argparse.Namespace) -> dict:
     """One way, in this process: train, time, score the validation examples."""
-    from loracls.train import train
+    from loracls.training.train import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:

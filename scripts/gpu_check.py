@@ -122,12 +122,12 @@ def read_log(run: Path) -> list[dict]:
 
 
 def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
-    """One `loracls.train` run; its throughput, losses, memory (peak and planned) and accuracy."""
+    """One `loracls.training.train` run; its throughput, losses, memory (peak and planned) and accuracy."""
     import torch
 
     from loracls.config import TrainConfig
-    from loracls.memory import memory_estimate
-    from loracls.train import train
+    from loracls.environment.memory import memory_estimate
+    from loracls.training.train import train
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -188,13 +188,13 @@ def main() -> int:
 
     import torch
 
-    from loracls.baseline import baseline_on_device
     from loracls.config import TrainConfig
-    from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
-    from loracls.devices import inference_device
-    from loracls.diagnosis import diagnose
-    from loracls.doctor import collect_facts, smoke_test
+    from loracls.environment.cpu import CPU_PRECISION_FLAGS, cpu_flags
+    from loracls.environment.devices import inference_device
+    from loracls.environment.diagnosis import diagnose
+    from loracls.environment.doctor import collect_facts, smoke_test
     from loracls.model import load_tokenizer
+    from loracls.training.baseline import baseline_on_device
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flags = cpu_flags()
@@ -321,7 +321,7 @@ def main() -> int:
     check("qlora_4bit", qlora)
 
     def inference() -> dict:
-        from loracls.predict import Classifier
+        from loracls.inference.predict import Classifier
 
         classifier = Classifier.from_run(out / "runs" / "bf16")
         texts = list(toy_table(2000 if not args.cpu else 64, seed=9)["text"])

@@ -29,7 +29,7 @@ from transformers import (
 )
 from typer.testing import CliRunner
 
-from loracls.cpu import SLOW_CPU_OVERRIDE
+from loracls.environment.cpu import SLOW_CPU_OVERRIDE
 
 # `--int8` is refused on CPUs without int8 dot-product instructions (too slow there); the tests check its
 # numbers on whatever CPU runs them (tests/test_int8.py checks the refusal with this unset)

@@ -7,7 +7,7 @@ outputs carry more fields per agent, which the parser skips. Torch arch lists ar
 wheels (`torch.cuda.get_arch_list()`).
 """
 
-from loracls.diagnosis import Device, Facts
+from loracls.environment.diagnosis import Device, Facts
 
 ROCM62_ARCHS = ["gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx1030", "gfx1100", "gfx1101", "gfx1102"]
 ROCM64_ARCHS = [

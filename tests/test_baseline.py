@@ -6,18 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from loracls import baseline
-from loracls.baseline import (
-    calibrate,
-    choose_prompt,
-    draw_shots,
-    label_log_probs,
-    run_baseline,
-)
 from loracls.config import PromptConfig, TrainConfig
-from loracls.errors import LoraclsError
-from loracls.model import load_causal_lm, load_tokenizer
-from loracls.prompts import (
+from loracls.data.prompts import (
     TEMPLATES,
     Prompt,
     Template,
@@ -27,6 +17,16 @@ from loracls.prompts import (
     pin_prompt,
     resolve_prompt,
     verbalizer_tokens,
+)
+from loracls.errors import LoraclsError
+from loracls.model import load_causal_lm, load_tokenizer
+from loracls.training import baseline
+from loracls.training.baseline import (
+    calibrate,
+    choose_prompt,
+    draw_shots,
+    label_log_probs,
+    run_baseline,
 )
 from tests.conftest import invoke, toy_reviews
 
@@ -245,7 +245,9 @@ def test_baseline_command_runs_on_the_inference_device_in_auto_precision(tiny_mo
 
     asked, seen = [], []
     monkeypatch.setattr(baseline, "inference_device", lambda: asked.append(1) or torch.device("cpu"))
-    monkeypatch.setattr("loracls.devices.cpu_has_fast_bf16", lambda flags=None: True)  # auto = bf16 here
+    monkeypatch.setattr(
+        "loracls.environment.devices.cpu_has_fast_bf16", lambda flags=None: True
+    )  # auto = bf16 here
     forward = Qwen3ForCausalLM.forward
 
     def recording(self, *args, **kwargs):

@@ -1,5 +1,6 @@
-"""The serving queue's worker (`loracls.batcher`) with a stand-in classifier: what one failing job does to the
-others, generation between batches, and a worker that dies. The real server is tested in test_serve.py."""
+"""The serving queue's worker (`loracls.inference.batcher`) with a stand-in classifier: what one failing job
+does to the others, generation between batches, and a worker that dies. The real server is tested in
+test_serve.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from loracls.batcher import Batcher, Job, Metrics, ServeError
+from loracls.inference.batcher import Batcher, Job, Metrics, ServeError
 
 
 class FakeClassifier:

@@ -2,7 +2,7 @@
 
 import random
 
-from loracls.batching import LengthGroupedBatches
+from loracls.data.batching import LengthGroupedBatches
 
 
 def test_length_grouped_batches_cover_every_example_once():

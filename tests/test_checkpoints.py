@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loracls import checkpoints
+from loracls.training import checkpoints
 from tests.conftest import invoke, toy_reviews
 from tests.test_faults import LONG, outputs
 
@@ -163,7 +163,7 @@ def test_a_checkpoint_that_fills_the_disk_leaves_no_tmp_and_says_so(
 ):
     """RUN/checkpoints on a small tmpfs that fills during a checkpoint: torch.save raises a RuntimeError
     that does not say why; the checkpoint path says "No space left on device" and removes its .tmp."""
-    from loracls.runs import RunFolder
+    from loracls.training.runs import RunFolder
 
     run, data = finished
     disk = tmp_path / "disk"

@@ -9,7 +9,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from loracls.predict import Classifier
+from loracls.inference.predict import Classifier
 from tests.conftest import FAMILIES, FAST, invoke
 
 
@@ -283,7 +283,7 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
     from peft.tuners.lora import LoraModel
 
     import loracls.objective
-    import loracls.train
+    import loracls.training.train
 
     real, asked, merges = loracls.objective.load_classifier, [], []
 
@@ -299,7 +299,7 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
     merge = LoraModel.merge_and_unload
     monkeypatch.setattr(LoraModel, "merge_and_unload", lambda self, *a, **k: merges.append(1) or merge(self))
     monkeypatch.setattr(loracls.objective, "load_classifier", loader)  # what training and eval both load
-    monkeypatch.setattr(loracls.train, "check_quantization", lambda *args: None)
+    monkeypatch.setattr(loracls.training.train, "check_quantization", lambda *args: None)
     out = tmp_path / "qlora"
     args = ["train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--no-baseline", *FAST]
     result = invoke(*args, "--quantize", "4bit")

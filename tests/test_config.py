@@ -6,7 +6,7 @@ import yaml
 
 from loracls.config import TrainConfig, field_docs, parse_overrides
 from loracls.errors import LoraclsError
-from loracls.runs import RunFolder
+from loracls.training.runs import RunFolder
 
 
 def test_every_field_has_a_docstring():
@@ -103,7 +103,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 def test_every_shipped_config_loads_and_validates(path):
     """The YAML files the README points to: a training config loads as a TrainConfig, a sweep expands into
     points whose configs all validate (`load_sweep` builds each one)."""
-    from loracls.sweep import load_sweep
+    from loracls.training.sweep import load_sweep
 
     if path.name.startswith("sweep-"):
         out, points = load_sweep(path)

@@ -1,6 +1,6 @@
 """The CPU's instructions: which CPUs run int8 at speed, and the warning when bf16 would be emulated."""
 
-from loracls import cpu
+from loracls.environment import cpu
 
 
 def test_bf16_is_said_to_be_emulated_only_on_a_cpu_without_it():

@@ -2,9 +2,9 @@ import pandas as pd
 import pytest
 
 from loracls.config import TrainConfig
-from loracls.data import load_splits
+from loracls.data.splits import load_splits
+from loracls.data.tables import read_labelled
 from loracls.errors import LoraclsError
-from loracls.tables import read_labelled
 
 
 def test_stratified_splits_are_disjoint_and_reproducible(toy_csv):

@@ -12,8 +12,8 @@ import pandas as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loracls.data.tables import read_labelled
 from loracls.errors import LoraclsError
-from loracls.tables import read_labelled
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 cells = st.one_of(

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from loracls import devices
+from loracls.environment import devices
 
 
 def test_auto_precision_uses_bf16_only_on_cpus_that_compute_it():

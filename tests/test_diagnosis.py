@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from loracls.diagnosis import Facts, diagnose
+from loracls.environment.diagnosis import Facts, diagnose
 from tests.doctor_machines import MACHINES
 
 

@@ -212,9 +212,9 @@ def test_two_nodes_match_one(tiny_models, single, tmp_path):
 def test_ddp_processes_share_the_baseline(tiny_models, single, tmp_path):
     """Under DDP every process scores a share of the baseline's prompts (before, rank 0 scored them all while
     the others waited at a barrier that times out after 10 minutes); the result is the one-process one."""
-    from loracls.baseline import run_baseline
     from loracls.model import load_causal_lm, load_tokenizer
-    from loracls.runs import RunFolder
+    from loracls.training.baseline import run_baseline
+    from loracls.training.runs import RunFolder
 
     data, _ = single
     model = str(tiny_models["llama"])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from loracls import doctor
-from loracls.doctor import smoke_test
+from loracls.environment import doctor
+from loracls.environment.doctor import smoke_test
 from tests.conftest import invoke
 from tests.doctor_machines import MACHINES
 

@@ -10,11 +10,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from typer.testing import CliRunner
 
 from loracls.cli import app
-from loracls.data import load_splits
+from loracls.data.splits import load_splits
+from loracls.inference.predict import Classifier
 from loracls.lora import PRESETS, plan_for_model
 from loracls.model import load_classifier, load_tokenizer, resolve_model
-from loracls.predict import Classifier
-from loracls.runs import RunFolder
+from loracls.training.runs import RunFolder
 
 pytestmark = pytest.mark.slow
 
@@ -109,12 +109,12 @@ def test_presets_on_the_real_model_without_loading_weights():
 def test_a_verbalizer_head_starts_where_the_real_prompt_does():
     """Gemma 3 270M on 40 real reviews: before any training, the head built from the LM head's rows of
     正面/负面 picks, on every review, the label whose verbaliser token the zero-shot prompt ranks first."""
-    from loracls.baseline import label_log_probs
     from loracls.config import TrainConfig
-    from loracls.evaluate import predict_probs
+    from loracls.data.prompts import Prompter, answer_tokens, resolve_prompt
+    from loracls.data.tokenization import tokenize
     from loracls.model import load_causal_lm
-    from loracls.prompts import Prompter, answer_tokens, resolve_prompt
-    from loracls.tokenization import tokenize
+    from loracls.training.baseline import label_log_probs
+    from loracls.training.evaluate import predict_probs
 
     path = resolve_model("gemma3-270m")
     tokenizer, lm = load_tokenizer(path), load_causal_lm(path)

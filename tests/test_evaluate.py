@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
-from loracls.evaluate import compute_metrics, predict_probs, write_predictions_jsonl
+from loracls.data.tokenization import tokenize
 from loracls.model import load_classifier, load_tokenizer
-from loracls.tokenization import tokenize
+from loracls.training.evaluate import compute_metrics, predict_probs, write_predictions_jsonl
 
 LABELS = ["negative", "positive"]
 

@@ -11,12 +11,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import loracls
 from loracls.errors import LoraclsError
-from loracls.export import export_run, verify_export
-from loracls.export_format import EXPORT_INFO, folder_kind
+from loracls.inference.export import export_run, verify_export
+from loracls.inference.export_format import EXPORT_INFO, folder_kind
+from loracls.inference.predict import Classifier
+from loracls.inference.serve import describe_model
 from loracls.model import load_classifier, load_tokenizer
-from loracls.predict import Classifier
-from loracls.runs import RunFolder
-from loracls.serve import describe_model
+from loracls.training.runs import RunFolder
 from tests.conftest import FAMILIES, invoke
 
 TEXTS = ["good story", "awful plot, very long and bad", "love"]
@@ -162,8 +162,8 @@ def test_the_export_tokenizer_is_the_fixed_one(exported):
 
 def test_reload_check_catches_weights_saved_under_foreign_names(trained, exported, tmp_path):
     """transformers re-prefixes keys of a model loaded with a key mapping; the reload check must notice."""
-    from loracls.export import check_reload
-    from loracls.predict import Classifier
+    from loracls.inference.export import check_reload
+    from loracls.inference.predict import Classifier
 
     folder = tmp_path / "renamed"
     folder.mkdir()

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 from transformers import LlamaForSequenceClassification
 
-from loracls import checkpoints
+from loracls.training import checkpoints
 from tests.conftest import invoke, toy_reviews
 
 # 96 training examples, micro-batch 4, 2 accumulated: 12 optimizer steps per epoch, 48 in all; LoRA dropout

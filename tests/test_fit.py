@@ -12,7 +12,7 @@ def test_a_short_last_window_weighs_as_a_full_one():
     micro-batches', the short one's too."""
     from accelerate import Accelerator
 
-    from loracls.fit import windows
+    from loracls.training.fit import windows
 
     assert [len(w) for w in windows(range(10), 4)] == [4, 4, 2]
     assert [len(w) for w in windows(range(8), 4)] == [4, 4]
@@ -37,7 +37,7 @@ def test_a_short_last_window_weighs_as_a_full_one():
 def test_the_step_line_says_when_min_steps_raised_the_steps():
     """5 steps an epoch and `--epochs 1` with the default min_steps trains 60: the line that announces the
     steps says so, and how to train one epoch."""
-    from loracls.fit import raised_by_min_steps
+    from loracls.training.fit import raised_by_min_steps
 
     assert raised_by_min_steps(TrainConfig(epochs=1, min_steps=60), 5, 60) == (
         ": raised from 5 (1 epoch) to min_steps=60; --min-steps 0 for 1 epoch only"

@@ -17,7 +17,7 @@ import loracls
 
 PACKAGE = Path(loracls.__file__).parent
 LAZY_ALLOWED = {
-    "loracls": "`loracls.from_pretrained` without importing torch for every `import loracls`",
+    "loracls": "`from_pretrained`, `train`, `Classifier` without importing torch for every `import loracls`",
     "loracls.cli": "a command imports only what it runs, so `--help` and `--version` start fast",
 }
 
@@ -28,7 +28,8 @@ def module_name(path: Path) -> str:
 
 
 def imported(node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
-    """The package's modules an import statement loads (`from loracls import int8` loads `loracls.int8`)."""
+    """The package's modules an import statement loads (`from loracls.inference import int8` loads
+    `loracls.inference.int8`)."""
     if isinstance(node, ast.Import):
         return {alias.name for alias in node.names if alias.name in modules}
     if node.module is None or not node.module.startswith("loracls"):
@@ -56,14 +57,32 @@ def import_graph() -> tuple[nx.DiGraph, dict[str, set[str]]]:
 
 def test_the_graph_is_read_from_the_package():
     graph, _ = import_graph()
-    assert {"loracls.cli", "loracls.predict", "loracls.export_format"} <= set(graph)
-    assert graph.has_edge("loracls.predict", "loracls.export_format")
-    assert graph.has_edge("loracls.fit", "loracls.checkpoints")  # `from loracls import checkpoints`
+    assert {"loracls.cli", "loracls.inference.predict", "loracls.inference.export_format"} <= set(graph)
+    assert graph.has_edge("loracls.inference.predict", "loracls.inference.export_format")
+    assert graph.has_edge(
+        "loracls.training.fit", "loracls.training.checkpoints"
+    )  # `from loracls.training import ...`
 
 
 def test_no_import_circle():
     graph, _ = import_graph()
     assert list(nx.simple_cycles(graph)) == []
+
+
+# What may import what: a layer imports only layers before it (a folder is one layer; docs/contributing.md)
+LAYERS = ["errors", "files", "console", "config", "model", "data", "objective", "lora", "environment"]
+LAYERS += ["training", "inference", "cli_options", "cli", "__main__", ""]
+
+
+def layer(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_stages_import_only_earlier_stages():
+    graph, _ = import_graph()
+    assert {layer(module) for module in graph} == set(LAYERS)
+    back = [(a, b) for a, b in graph.edges if LAYERS.index(layer(b)) > LAYERS.index(layer(a))]
+    assert back == []
 
 
 def test_imports_inside_functions_only_where_start_up_time_asks_for_them():
@@ -75,7 +94,7 @@ def test_the_light_modules_import_no_transformers_or_peft():
     """`loracls doctor` without --model imports `doctor` and `devices` only: transformers and peft would add
     seconds to its start (`memory`, which needs them, is imported only with --model)."""
     heavy = "{'transformers', 'peft'} & set(sys.modules)"
-    code = f"import sys, loracls.devices, loracls.doctor; print(sorted({heavy}))"
+    code = f"import sys, loracls.environment.devices, loracls.environment.doctor; print(sorted({heavy}))"
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.strip() == "[]"

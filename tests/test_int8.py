@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from loracls import cpu, int8
-from loracls.cpu import SLOW_CPU_OVERRIDE
-from loracls.predict import Classifier
+from loracls.environment import cpu
+from loracls.environment.cpu import SLOW_CPU_OVERRIDE
+from loracls.inference import int8
+from loracls.inference.predict import Classifier
 from tests.conftest import FAMILIES, invoke
 from tests.test_serve import server
 

@@ -3,7 +3,7 @@
 import pandas as pd
 
 from loracls.config import TrainConfig
-from loracls.data import load_splits
+from loracls.data.splits import load_splits
 from tests.conftest import toy_reviews
 
 

@@ -3,7 +3,7 @@ the weights as the loader loads them."""
 
 import pytest
 
-from loracls import memory
+from loracls.environment import memory
 
 
 def test_memory_estimate_for_the_tiny_model(tiny_models):

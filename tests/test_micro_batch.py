@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loracls import micro_batch
 from loracls.config import TrainConfig
+from loracls.environment import micro_batch
 from loracls.errors import LoraclsError
-from loracls.train import train
+from loracls.training.train import train
 
 
 def test_micro_batches_divide_the_batch_largest_first():

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithPadding
 
-from loracls.baseline import softmax
 from loracls.config import PromptConfig
-from loracls.devices import inference_autocast
-from loracls.evaluate import predict_probs
+from loracls.data.prompts import Prompter, resolve_prompt
+from loracls.data.tokenization import tokenize, tokenize_responses
+from loracls.environment.devices import inference_autocast
 from loracls.model import load_causal_lm, load_tokenizer
 from loracls.objective import LanguageModel, label_log_probs
-from loracls.prompts import Prompter, resolve_prompt
-from loracls.tokenization import tokenize, tokenize_responses
+from loracls.training.baseline import softmax
+from loracls.training.evaluate import predict_probs
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 from tests.test_learning import LEARN
 

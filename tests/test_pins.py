@@ -30,7 +30,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4PreTrainedModel
 from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
 from transformers.utils.quantization_config import GgufConfig
 
-from loracls.int8 import check_key
+from loracls.inference.int8 import check_key
 from loracls.model import empty_classifier, generic_classifier_class, load_classifier
 
 
@@ -74,7 +74,9 @@ def test_from_config_builds_the_classifier_on_the_meta_device(tiny_models):
 def test_int_mm_multiplies_int8_exactly_with_the_transposed_weight():
     """`int8.Int8Linear.forward` calls `torch._int_mm(rows, weight_t)`: int8 x int8 -> exact int32, with the
     weight stored transposed (a non-contiguous view) and any number of rows (a single token's included)."""
-    assert hasattr(torch, "_int_mm"), "torch has no _int_mm: loracls.int8.Int8Linear.forward calls it"
+    assert hasattr(torch, "_int_mm"), (
+        "torch has no _int_mm: loracls.inference.int8.Int8Linear.forward calls it"
+    )
     generator = torch.Generator().manual_seed(0)
     weight_t = torch.randint(-127, 128, (48, 32), dtype=torch.int8, generator=generator).t()
     assert not weight_t.is_contiguous()
@@ -82,7 +84,7 @@ def test_int_mm_multiplies_int8_exactly_with_the_transposed_weight():
         x = torch.randint(-127, 128, (rows, 32), dtype=torch.int8, generator=generator)
         y = torch._int_mm(x, weight_t)
         assert y.dtype == torch.int32 and torch.equal(y, x.int() @ weight_t.int()), (
-            f"torch._int_mm ({rows} rows) is no longer int8 x int8 -> exact int32: loracls.int8.Int8Linear"
+            f"torch._int_mm ({rows} rows) is no longer int8 x int8 -> exact int32: inference.int8.Int8Linear"
         )
 
 
@@ -91,7 +93,7 @@ def test_torch_config_names_the_onednn_version(tiny_models):
     a stored int8 parity check is measured again when torch's int8 kernels change."""
     key = check_key(str(tiny_models["llama"]), "0" * 64)
     assert key["onednn"] and key["onednn"].startswith("v"), (
-        "loracls.int8.check_key found no 'oneDNN vX' / 'MKL-DNN vX' in torch.__config__.show(): "
+        "loracls.inference.int8.check_key found no 'oneDNN vX' / 'MKL-DNN vX' in torch.__config__.show(): "
         + torch.__config__.show()[:300]
     )
     assert key["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
@@ -155,7 +157,7 @@ def test_parse_flag_from_env_reads_the_fsdp_flag(monkeypatch):
     for value, expected in [("true", True), ("True", True), ("1", True), ("false", False), ("0", False)]:
         monkeypatch.setenv("ACCELERATE_USE_FSDP", value)
         assert parse_flag_from_env("ACCELERATE_USE_FSDP") is expected, (
-            f"accelerate's parse_flag_from_env({value!r}) changed: loracls.train.check_requirements reads it"
+            f"accelerate's parse_flag_from_env({value!r}) changed: training.train.check_requirements reads it"
         )
 
 

@@ -12,12 +12,12 @@ import torch
 import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from loracls.baseline import label_log_probs
 from loracls.config import PromptConfig
-from loracls.evaluate import predict_probs
+from loracls.data.prompts import Prompter, answer_tokens, format_verbalizers, resolve_prompt
+from loracls.data.tokenization import tokenize
 from loracls.model import load_causal_lm, load_classifier, load_tokenizer
-from loracls.prompts import Prompter, answer_tokens, format_verbalizers, resolve_prompt
-from loracls.tokenization import tokenize
+from loracls.training.baseline import label_log_probs
+from loracls.training.evaluate import predict_probs
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 
 LABELS = ["negative", "positive"]
@@ -184,7 +184,7 @@ def test_the_report_shows_the_prompt_and_every_candidate(prompted_run):
 def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_models, tmp_path, monkeypatch):
     """A prompt whose answers follow the texts' keywords starts the head (`verbalizer`); one that answers
     the same label whatever the text agrees with the labels no better than chance (kappa 0): `zero`."""
-    from loracls import baseline
+    from loracls.training import baseline
 
     def answers(model, tokenizer, prompts, tokens, batch_size=16):
         scores = np.full((len(prompts), len(tokens)), -1.0)  # a pair of columns per word set

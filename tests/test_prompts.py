@@ -5,7 +5,7 @@ import json
 import yaml
 
 from loracls.config import PromptConfig, TrainConfig
-from loracls.prompts import pin_prompt, resolve_prompt
+from loracls.data.prompts import pin_prompt, resolve_prompt
 from tests.conftest import FAST, invoke, toy_reviews
 
 ODD = ["a,b", "x=y", "1,000+"]

@@ -145,7 +145,7 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     default one; without one (every installed font but those) the page says what to install."""
     import dataclasses
 
-    from loracls import report
+    from loracls.training import report
 
     fonts = [f for f in report.font_manager.fontManager.ttflist if f.name not in report.CJK_FONTS]
     dejavu = next(f for f in fonts if f.name == "DejaVu Sans")

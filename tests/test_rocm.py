@@ -2,7 +2,7 @@
 
 import pytest
 
-from loracls.rocm import (
+from loracls.environment.rocm import (
     gfx_from_hsa,
     hsa_version,
     parse_amd_smi_version,

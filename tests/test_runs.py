@@ -18,17 +18,17 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from loracls import checkpoints
 from loracls.files import atomic_folder
-from loracls.runs import RunFolder
+from loracls.training import checkpoints
+from loracls.training.runs import RunFolder
 from tests.conftest import invoke, toy_reviews
 from tests.test_faults import LONG, outputs, start
 
 # 96 training examples, micro-batch 4, 2 accumulated: 12 optimizer steps, checkpoints at 3, 4, 6, 8, 9, 12
 SHORT = ["--epochs", "1", *LONG[2:]]
 
-# `loracls train` with one function of loracls.train paused (after touching a marker file), so that a real
-# signal reaches the process in the middle of that stage
+# `loracls train` with one function of loracls.training.train paused (after touching a marker file), so that a
+# real signal reaches the process in the middle of that stage
 PAUSED = """
 import importlib, sys, time
 module, name, marker = sys.argv[1:4]
@@ -52,7 +52,7 @@ def short_args(model: Path, data: Path, out: Path, *extra) -> list:
 
 
 def signal_during(
-    stage: str, signal_number: int, args: list, tmp_path: Path, module: str = "loracls.train"
+    stage: str, signal_number: int, args: list, tmp_path: Path, module: str = "loracls.training.train"
 ) -> tuple[int, str]:
     """Run `loracls train` with `<module>.<stage>` paused, send `signal_number` once it is reached;
     returns (exit code, stderr with the lines joined)."""
@@ -335,7 +335,7 @@ def test_a_real_full_disk_fails_clearly_and_resumes_once_freed(short_reference, 
         result = invoke(*short_args(tiny_models["llama"], data, out))
         message = " ".join(result.output.split())
         assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-        # a checkpoint's own message (loracls.checkpoints) or the run's: both say what to do
+        # a checkpoint's own message (loracls.training.checkpoints) or the run's: both say what to do
         assert "No space left on device" in message and "free space, then " in message.lower()
         assert f"`loracls train --resume {out}`" in message
         assert status(out)["state"] in ("failed", "running")
@@ -385,7 +385,7 @@ def test_config_yaml_is_written_once_resolved_before_training(objective, tiny_mo
     decided before training, and config.yaml is written once, with all of it, before `fit()` starts."""
     import yaml
 
-    from loracls import train
+    from loracls.training import train
 
     out, data = tmp_path / "run", tmp_path / "reviews.csv"
     toy_reviews(64).to_csv(data, index=False)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from loracls.predict import Classifier
+from loracls.inference.predict import Classifier
 from tests.conftest import FAST, invoke, toy_reviews
 
 TEXTS = [

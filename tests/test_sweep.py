@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from loracls.errors import LoraclsError
-from loracls.sweep import load_sweep
+from loracls.training.sweep import load_sweep
 from tests.conftest import invoke
 
 

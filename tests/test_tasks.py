@@ -14,10 +14,10 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
 from loracls.config import TrainConfig
-from loracls.data import load_splits
-from loracls.evaluate import compute_multilabel_metrics, tune_thresholds
+from loracls.data.splits import load_splits
+from loracls.data.tables import read_labelled
 from loracls.objective import ClassificationHead
-from loracls.tables import read_labelled
+from loracls.training.evaluate import compute_multilabel_metrics, tune_thresholds
 from tests.conftest import FAST, invoke
 
 TOPICS = {

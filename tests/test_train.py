@@ -6,7 +6,7 @@ import math
 import pytest
 
 from loracls.config import TrainConfig
-from loracls.train import train
+from loracls.training.train import train
 
 
 def run_log(tmp_path, tiny_models, toy_csv, **overrides) -> tuple[list[dict], dict]:

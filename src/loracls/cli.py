@@ -28,7 +28,7 @@ def print_version(asked: bool) -> None:
     """`--version`: loracls's version and the libraries it runs on, without importing them."""
     if not asked:
         return
-    from loracls.doctor import package_version
+    from loracls.environment.doctor import package_version
 
     names = ("torch", "transformers", "peft", "accelerate")
     libraries = ", ".join(f"{name} {(package_version(name) or 'not installed')}" for name in names)
@@ -86,8 +86,8 @@ def train(
     **options,
 ) -> None:
     """Fine-tune with LoRA, validate as it goes, and report on the test split."""
-    from loracls.train import resume as resume_run
-    from loracls.train import train as run_train
+    from loracls.training.train import resume as resume_run
+    from loracls.training.train import train as run_train
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
@@ -146,8 +146,8 @@ def baseline(
     **options,
 ) -> None:
     """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
-    from loracls.baseline import baseline_line, baseline_on_device, load_baseline_data
     from loracls.model import load_tokenizer, resolve_model
+    from loracls.training.baseline import baseline_line, baseline_on_device, load_baseline_data
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
@@ -181,7 +181,7 @@ def evaluate(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
-    from loracls.predict import evaluate_run
+    from loracls.inference.predict import evaluate_run
 
     try:
         metrics, out = evaluate_run(run_dir, data, allow_unfinished, int8)
@@ -211,8 +211,8 @@ def predict(
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
     file's other columns (ids, metadata) come first in each result, so that it joins back."""
-    from loracls.predict import Classifier, prediction_lines, write_predictions
-    from loracls.tables import read_table
+    from loracls.data.tables import read_table
+    from loracls.inference.predict import Classifier, prediction_lines, write_predictions
 
     try:
         if bool(texts) == bool(input):
@@ -261,7 +261,7 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.inspection import inspect_data, print_inspection
+    from loracls.data.inspection import inspect_data, print_inspection
 
     try:
         cfg = TrainConfig(
@@ -298,15 +298,15 @@ def doctor(
     devices: Annotated[int, typer.Option(help="Devices FSDP would shard over, for the estimate")] = 8,
 ) -> None:
     """Check the GPU stack (ROCm, CUDA) or CPU: versions, architectures, overrides, a smoke test, memory."""
-    from loracls.devices import free_memory_gb
-    from loracls.doctor import checkup, print_checkup
+    from loracls.environment.devices import free_memory_gb
+    from loracls.environment.doctor import checkup, print_checkup
 
     found = checkup(smoke)
     if found.facts.torch:
         found.memory["free_gb"] = free_memory_gb()
     try:
         if model:
-            from loracls.memory import memory_estimate
+            from loracls.environment.memory import memory_estimate
 
             precision = "bf16" if found.device == "cuda" else "fp32"
             found.memory["estimate"] = memory_estimate(model, batch_size, max_length, precision, devices)
@@ -362,8 +362,8 @@ def export(
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers; an `objective: lm` run: a
     causal LM) or the adapter alone."""
-    from loracls.export import export_run
-    from loracls.export_format import read_export_info
+    from loracls.inference.export import export_run
+    from loracls.inference.export_format import read_export_info
     from loracls.objective import objective_kind
 
     try:
@@ -407,10 +407,10 @@ def serve(
 ) -> None:
     """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
     try:
-        from loracls.cpu import check_int8_cpu, emulated_bf16_warning
-        from loracls.devices import inference_device
-        from loracls.serve import serve as run_server
-        from loracls.serve_limits import ServeLimits
+        from loracls.environment.cpu import check_int8_cpu, emulated_bf16_warning
+        from loracls.environment.devices import inference_device
+        from loracls.inference.serve import serve as run_server
+        from loracls.inference.serve_limits import ServeLimits
     except ImportError as e:
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
@@ -446,8 +446,8 @@ def report(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Rebuild RUN/report.html (and RUN/plots/) for each run; for several runs, also a comparison page."""
-    from loracls.report import build_report, compare_runs
-    from loracls.runs import RunFolder
+    from loracls.training.report import build_report, compare_runs
+    from loracls.training.runs import RunFolder
 
     try:
         for run_dir in run_dirs:
@@ -469,7 +469,7 @@ def sweep(
     dry_run: Annotated[bool, typer.Option(help="List the runs without training")] = False,
 ) -> None:
     """One run per point of a grid over config keys; finished points are skipped, unfinished ones resume."""
-    from loracls.sweep import load_sweep, run_sweep
+    from loracls.training.sweep import load_sweep, run_sweep
 
     try:
         out, points = load_sweep(config)

@@ -24,10 +24,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
+from loracls.data.prompts import Prompt, Prompter, answer_tokens, resolve_prompt
+from loracls.data.tokenization import tokenize_responses
 from loracls.errors import LoraclsError
 from loracls.model import from_pretrained, load_causal_lm, load_classifier
-from loracls.prompts import Prompt, Prompter, answer_tokens, resolve_prompt
-from loracls.tokenization import tokenize_responses
 
 
 class Objective(Protocol):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from loracls.batcher import Batcher
+from loracls.inference.batcher import Batcher
 
 
 @dataclass

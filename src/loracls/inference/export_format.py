@@ -12,7 +12,7 @@ from loracls.errors import LoraclsError
 EXPORT_INFO = "loracls.json"
 """Written into every export: labels, max_length, text column, the base model and whether LoRA is merged."""
 INT8_RANGES = "int8_ranges.safetensors"
-"""Written by `export --int8`: the calibrated input ranges `loracls.int8.quantize` smooths with."""
+"""Written by `export --int8`: the calibrated input ranges `loracls.inference.int8.quantize` smooths with."""
 
 
 def read_export_info(folder: Path) -> dict:

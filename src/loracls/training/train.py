@@ -21,29 +21,29 @@ from peft import PeftModel, set_peft_model_state_dict
 from peft.utils import load_peft_weights
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from loracls import checkpoints
-from loracls.baseline import (
+from loracls.config import TrainConfig
+from loracls.console import console
+from loracls.data.splits import Splits, load_splits
+from loracls.data.tokenization import tokenize, truncated_share
+from loracls.environment.cpu import emulated_bf16_warning
+from loracls.environment.devices import OFFLOAD_COST, mixed_precision, offload_in_use
+from loracls.environment.diagnosis import Facts, diagnose
+from loracls.environment.doctor import check_before_training, check_quantization, collect_facts
+from loracls.environment.micro_batch import micro_batch_size
+from loracls.errors import LoraclsError
+from loracls.files import disk_full, no_space, written_file
+from loracls.lora import TargetPlan, apply_lora, targets_line, targets_table
+from loracls.model import describe, load_tokenizer, resolve_model
+from loracls.objective import Objective, input_prompter, objective_kind
+from loracls.training import checkpoints
+from loracls.training.baseline import (
     baseline_summary,
     prompt_and_baseline,
 )
-from loracls.config import TrainConfig
-from loracls.console import console
-from loracls.cpu import emulated_bf16_warning
-from loracls.data import Splits, load_splits
-from loracls.devices import OFFLOAD_COST, mixed_precision, offload_in_use
-from loracls.diagnosis import Facts, diagnose
-from loracls.doctor import check_before_training, check_quantization, collect_facts
-from loracls.errors import LoraclsError
-from loracls.evaluate import evaluation_probs, score, tune_thresholds, write_predictions_jsonl
-from loracls.files import disk_full, no_space, written_file
-from loracls.fit import FitResult, Interrupted, accumulation, fit
-from loracls.lora import TargetPlan, apply_lora, targets_line, targets_table
-from loracls.micro_batch import micro_batch_size
-from loracls.model import describe, load_tokenizer, resolve_model
-from loracls.objective import Objective, input_prompter, objective_kind
-from loracls.report import build_report
-from loracls.runs import RunFolder, default_out, environment, write_jsonl
-from loracls.tokenization import tokenize, truncated_share
+from loracls.training.evaluate import evaluation_probs, score, tune_thresholds, write_predictions_jsonl
+from loracls.training.fit import FitResult, Interrupted, accumulation, fit
+from loracls.training.report import build_report
+from loracls.training.runs import RunFolder, default_out, environment, write_jsonl
 
 
 def cpu_only() -> bool:

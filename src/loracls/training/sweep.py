@@ -29,14 +29,14 @@ from typing import Any
 
 import pandas as pd
 
-from loracls import checkpoints
 from loracls.config import TrainConfig, check_known_keys, read_yaml_config
 from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.files import write_text
-from loracls.report import compare_runs, plt, png, run_summary
-from loracls.runs import RunFolder
-from loracls.train import resume, train
+from loracls.training import checkpoints
+from loracls.training.report import compare_runs, plt, png, run_summary
+from loracls.training.runs import RunFolder
+from loracls.training.train import resume, train
 
 SWEEP_KEYS = ("out", "base", "grid", "runs")
 SIZE_KEYS = ("max_train_examples", "train_fraction")

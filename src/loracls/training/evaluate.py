@@ -23,14 +23,14 @@ from sklearn.metrics import (
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from loracls.batching import LengthGroupedBatches
 from loracls.config import TrainConfig
-from loracls.data import Splits
+from loracls.data.batching import LengthGroupedBatches
+from loracls.data.labels import label_ids, label_value
+from loracls.data.splits import Splits
+from loracls.environment.micro_batch import eval_batch_size
 from loracls.files import write_text
-from loracls.labels import label_ids, label_value
-from loracls.micro_batch import eval_batch_size
 from loracls.objective import ClassificationHead, Objective
-from loracls.runs import RunFolder
+from loracls.training.runs import RunFolder
 
 
 @torch.inference_mode()

@@ -23,16 +23,16 @@ from typing import Any
 
 from rich.console import Console
 
-from loracls.cpu import CPU_PRECISION_FLAGS, cpu_flags
-from loracls.diagnosis import Device, Facts, Report, backend_of, diagnose
-from loracls.errors import LoraclsError
-from loracls.rocm import (
+from loracls.environment.cpu import CPU_PRECISION_FLAGS, cpu_flags
+from loracls.environment.diagnosis import Device, Facts, Report, backend_of, diagnose
+from loracls.environment.rocm import (
     ROCM_VERSION_FILES,
     base_arch,
     parse_amd_smi_version,
     parse_driver_version,
     parse_rocminfo,
 )
+from loracls.errors import LoraclsError
 
 
 def package_version(name: str) -> str | None:

@@ -12,8 +12,7 @@ import pandas as pd
 from sklearn.model_selection import train_test_split
 
 from loracls.config import TrainConfig
-from loracls.errors import LoraclsError
-from loracls.labels import (
+from loracls.data.labels import (
     is_multi_label,
     label_counts,
     label_ids,
@@ -24,7 +23,8 @@ from loracls.labels import (
     separator,
     sort_labels,
 )
-from loracls.tables import read_labelled
+from loracls.data.tables import read_labelled
+from loracls.errors import LoraclsError
 
 
 @dataclass

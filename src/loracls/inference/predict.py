@@ -15,11 +15,20 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loracls import int8 as int8_module
-from loracls.cpu import check_int8_cpu
-from loracls.devices import inference_autocast, inference_device
+from loracls.data.labels import label_names, label_value, separator
+from loracls.data.prompts import Prompter
+from loracls.data.tables import read_labelled
+from loracls.data.tokenization import tokenize
+from loracls.environment.cpu import check_int8_cpu
+from loracls.environment.devices import inference_autocast, inference_device
+from loracls.environment.micro_batch import eval_batch_size
 from loracls.errors import LoraclsError
-from loracls.evaluate import (
+from loracls.files import atomic_folder
+from loracls.inference import int8 as int8_module
+from loracls.inference.export_format import INT8_RANGES, folder_kind, read_export_info
+from loracls.model import load_tokenizer, resolve_model
+from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
+from loracls.training.evaluate import (
     label_matrix,
     predict_probs,
     predicted_labels,
@@ -27,16 +36,7 @@ from loracls.evaluate import (
     score,
     write_predictions_jsonl,
 )
-from loracls.export_format import INT8_RANGES, folder_kind, read_export_info
-from loracls.files import atomic_folder
-from loracls.labels import label_names, label_value, separator
-from loracls.micro_batch import eval_batch_size
-from loracls.model import load_tokenizer, resolve_model
-from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
-from loracls.prompts import Prompter
-from loracls.runs import RunFolder, write_json
-from loracls.tables import read_labelled
-from loracls.tokenization import tokenize
+from loracls.training.runs import RunFolder, write_json
 
 
 def merge_adapter(
@@ -352,8 +352,8 @@ def evaluate_run(
 
 
 def int8_from_run(run_dir: str | Path, allow_unfinished: bool = False) -> Classifier:
-    """The run's classifier on the CPU with its decoder's linear layers in int8 (`loracls.int8`), refused
-    unless it matches fp32 on the run's test split (`quantize_checked`)."""
+    """The run's classifier on the CPU with its decoder's linear layers in int8 (`loracls.inference.int8`),
+    refused unless it matches fp32 on the run's test split (`quantize_checked`)."""
     run = RunFolder(run_dir)
     run.check_finished(allow_unfinished)
     classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loracls.cpu import cpu_has_fast_bf16, cpu_has_fast_int8
-from loracls.rocm import ISA_FAMILIES, base_arch, gfx_from_hsa, hsa_version, major_minor
+from loracls.environment.cpu import cpu_has_fast_bf16, cpu_has_fast_int8
+from loracls.environment.rocm import ISA_FAMILIES, base_arch, gfx_from_hsa, hsa_version, major_minor
 
 
 @dataclass

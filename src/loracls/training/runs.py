@@ -10,7 +10,7 @@ RUN/targets.json        the modules that got LoRA and the trainable parameter co
 RUN/train_log.jsonl     one line per log step and per validation
 RUN/val_predictions/step_NNNNNN.jsonl
 RUN/best/               adapter + head (PEFT) + tokenizer of the best validation step
-RUN/checkpoints/step_NNNNNN/  full training state (see `loracls.checkpoints`): the last few and the best
+RUN/checkpoints/step_NNNNNN/  full training state (`loracls.training.checkpoints`): the last few and the best
 RUN/test_predictions.jsonl
 RUN/metrics.json
 """
@@ -34,8 +34,8 @@ import yaml
 
 from loracls.config import TrainConfig
 from loracls.console import console
-from loracls.data import Splits
-from loracls.doctor import package_version
+from loracls.data.splits import Splits
+from loracls.environment.doctor import package_version
 from loracls.errors import LoraclsError
 from loracls.files import recover_folder, write_text
 

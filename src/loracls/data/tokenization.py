@@ -6,8 +6,8 @@ import pandas as pd
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from loracls.labels import is_multi_label
-from loracls.prompts import Prompter
+from loracls.data.labels import is_multi_label
+from loracls.data.prompts import Prompter
 
 
 def tokenize(

@@ -1,8 +1,8 @@
 """`loracls serve`: a finished run or an export as an HTTP service (FastAPI on uvicorn) with dynamic batching.
 
 Requests wait in one queue; a single worker thread owns the model and answers them in batches
-(`loracls.batcher`): no request handler touches the model, and a failure stays with the request that caused
-it. This module parses and checks requests before they are queued and formats the answers: every error,
+(`loracls.inference.batcher`): no request handler touches the model, and a failure stays with the request that
+caused it. This module parses and checks requests before they are queued and formats the answers: every error,
 unknown routes included, is vLLM's error object (`error_body`). A body is capped by size (`Content-Length`
 and while it streams) and by time (`body_timeout`: 408, connection closed). The port is bound before the
 model loads. SIGTERM/SIGINT drain the server: queued requests are answered, new ones get 503 with
@@ -28,15 +28,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loracls.batcher import Batcher, Job, Metrics, ServeError
 from loracls.console import console
+from loracls.data.labels import label_value
 from loracls.errors import LoraclsError
-from loracls.export_format import folder_kind, read_export_info
-from loracls.labels import label_value
+from loracls.inference.batcher import Batcher, Job, Metrics, ServeError
+from loracls.inference.export_format import folder_kind, read_export_info
+from loracls.inference.predict import Classifier
+from loracls.inference.serve_limits import BodyGuard, ServeLimits, error_body, unreadable_body
 from loracls.objective import objective_kind
-from loracls.predict import Classifier
-from loracls.runs import RunFolder
-from loracls.serve_limits import BodyGuard, ServeLimits, error_body, unreadable_body
+from loracls.training.runs import RunFolder
 
 DRAIN_LINGER = 1.0
 """Seconds a draining server keeps answering new requests with 503 + `Connection: close` at least, so that a

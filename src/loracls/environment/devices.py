@@ -11,7 +11,7 @@ import contextlib
 import torch
 from accelerate import Accelerator
 
-from loracls.cpu import cpu_has_fast_bf16
+from loracls.environment.cpu import cpu_has_fast_bf16
 
 OFFLOAD_COST = (
     "CPU offload moves parameters or optimizer state over PCIe at every step: in the write-up this tool "

@@ -7,7 +7,7 @@ forward pass) is retried job by job, so only the culprit fails (a text the token
 text), and a job whose answer cannot be delivered is skipped. Generation (`objective: lm`) runs one text at a
 time between batches, so classification queued behind a long generation is answered first. Only a bug in
 the worker's own loop ends it: then `died` is set, every job it holds or that waits is failed with 503, and
-the server stops (see `loracls.serve`).
+the server stops (see `loracls.inference.serve`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import numpy as np
 from datasets import Dataset
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from loracls.evaluate import predicted_labels
-from loracls.labels import label_value
-from loracls.predict import Classifier
+from loracls.data.labels import label_value
+from loracls.inference.predict import Classifier
+from loracls.training.evaluate import predicted_labels
 
-log = logging.getLogger("loracls.serve")
+log = logging.getLogger("loracls.inference.serve")
 
 
 class ServeError(Exception):

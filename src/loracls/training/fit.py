@@ -27,16 +27,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.optim import AdamW
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from loracls import checkpoints
-from loracls.batching import make_loader
 from loracls.config import TrainConfig
 from loracls.console import console
-from loracls.data import Splits
+from loracls.data.batching import make_loader
+from loracls.data.splits import Splits
 from loracls.errors import LoraclsError
-from loracls.evaluate import evaluation_probs, score_validation
 from loracls.objective import Objective
-from loracls.runs import RunFolder
-from loracls.trainer_state import TrainerState, window_sums
+from loracls.training import checkpoints
+from loracls.training.evaluate import evaluation_probs, score_validation
+from loracls.training.runs import RunFolder
+from loracls.training.trainer_state import TrainerState, window_sums
 
 
 @dataclass

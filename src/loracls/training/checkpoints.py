@@ -42,8 +42,8 @@ from loracls.config import TrainConfig
 from loracls.console import console
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder, disk_full, no_space, write_text, written_file
-from loracls.runs import RunFolder
-from loracls.trainer_state import TrainerState, gather_window
+from loracls.training.runs import RunFolder
+from loracls.training.trainer_state import TrainerState, gather_window
 
 FOLDER = "checkpoints"
 STATE_FILE = "trainer_state.json"

@@ -18,7 +18,7 @@ import yaml  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
 from loracls.files import write_bytes, write_text  # noqa: E402
-from loracls.runs import RunFolder  # noqa: E402
+from loracls.training.runs import RunFolder  # noqa: E402
 
 STYLE = """
 body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }

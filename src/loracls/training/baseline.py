@@ -23,15 +23,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
 from loracls.console import console
-from loracls.data import Splits, load_splits, stratified_sample
-from loracls.devices import inference_autocast, inference_device
-from loracls.errors import LoraclsError
-from loracls.evaluate import gather_rows, score, write_predictions_jsonl
-from loracls.labels import label_ids, sort_labels
-from loracls.micro_batch import CPU_MICRO_BATCH
-from loracls.model import load_causal_lm
-from loracls.objective import input_prompter, label_log_probs, objective_kind
-from loracls.prompts import (
+from loracls.data.labels import label_ids, sort_labels
+from loracls.data.prompts import (
     Prompt,
     Prompter,
     answer_tokens,
@@ -40,8 +33,15 @@ from loracls.prompts import (
     pin_prompt,
     resolve_prompt,
 )
-from loracls.runs import RunFolder, write_json
-from loracls.tables import BUILTIN_DATASETS, read_labelled
+from loracls.data.splits import Splits, load_splits, stratified_sample
+from loracls.data.tables import BUILTIN_DATASETS, read_labelled
+from loracls.environment.devices import inference_autocast, inference_device
+from loracls.environment.micro_batch import CPU_MICRO_BATCH
+from loracls.errors import LoraclsError
+from loracls.model import load_causal_lm
+from loracls.objective import input_prompter, label_log_probs, objective_kind
+from loracls.training.evaluate import gather_rows, score, write_predictions_jsonl
+from loracls.training.runs import RunFolder, write_json
 
 PROMPT_KAPPA = 0.1
 """The agreement beyond chance (Cohen's kappa) of a prompt's zero-shot answers with the training sample's

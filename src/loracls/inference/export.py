@@ -11,16 +11,16 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from loracls.cpu import check_int8_cpu
-from loracls.doctor import package_version
+from loracls.environment.cpu import check_int8_cpu
+from loracls.environment.doctor import package_version
+from loracls.environment.micro_batch import eval_batch_size
 from loracls.errors import LoraclsError
-from loracls.export_format import EXPORT_INFO, INT8_RANGES
 from loracls.files import atomic_folder, share_as_umask_allows
-from loracls.micro_batch import eval_batch_size
+from loracls.inference.export_format import EXPORT_INFO, INT8_RANGES
+from loracls.inference.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
 from loracls.model import load_tokenizer
 from loracls.objective import input_prompter, objective_kind
-from loracls.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
-from loracls.runs import RunFolder, write_json
+from loracls.training.runs import RunFolder, write_json
 
 
 def export_run(

