@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from rich.console import Console
 
 from loracls.environment import doctor
@@ -69,15 +68,6 @@ def test_checkup_gives_the_doctor_commands_payload_and_text(monkeypatch):
     assert "error smoke test: it crashed" in text and "memory free: {'cuda:0': 60.0}" in text
     assert text.rstrip().endswith("cannot train as it is")
     assert doctor.checkup(smoke=False).can_train
-
-
-def test_qlora_computes_in_the_run_precision():
-    """QLoRA's compute dtype was bf16 whatever the run's precision; `auto` picks fp16 on GPUs without bf16."""
-    from loracls.model import quantized_compute_dtype
-
-    assert quantized_compute_dtype("fp16") == torch.float16
-    assert quantized_compute_dtype("bf16") == torch.bfloat16
-    assert quantized_compute_dtype("no") == torch.float32
 
 
 def test_training_on_a_gpu_stops_early_when_the_smoke_test_fails(monkeypatch):

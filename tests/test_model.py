@@ -11,6 +11,7 @@ from loracls.model import (
     generic_classifier_class,
     load_classifier,
     load_tokenizer,
+    quantized_compute_dtype,
     resolve_model,
 )
 from tests.conftest import FAMILIES, char_tokenizer, invoke
@@ -183,3 +184,10 @@ def test_remote_code_is_refused_before_it_runs(tiny_models, tmp_path, toy_csv):
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "does not run them unless you pass --trust-remote-code" in " ".join(result.output.split())
     assert not marker.exists()
+
+
+def test_qlora_computes_in_the_run_precision():
+    """QLoRA's compute dtype was bf16 whatever the run's precision; `auto` picks fp16 on GPUs without bf16."""
+    assert quantized_compute_dtype("fp16") == torch.float16
+    assert quantized_compute_dtype("bf16") == torch.bfloat16
+    assert quantized_compute_dtype("no") == torch.float32
