@@ -63,6 +63,16 @@ def test_train_writes_the_whole_run_folder(trained, family):
     assert eval_steps == [4, 8, 12]
     assert all(r["lr"] >= 0 and r["loss"] > 0 and "mem_rss_gb" in r for r in train_rows)
     assert metrics["best_val"]["step"] in eval_steps
+    learning = metrics["learning"]  # how it learned, from the same validations, said at the end of the output
+    assert (learning["validations"], learning["steps"], learning["best_step"]) == (
+        3,
+        12,
+        metrics["best_val"]["step"],
+    )
+    assert learning["still_improving"] == (learning["best_step"] == 12)
+    weakest = learning["weakest_class"]
+    assert weakest["recall"] == min(c["recall"] for c in metrics["test"]["per_class"].values())
+    assert f"weakest class on test: {weakest['label']!r}" in output
 
     val_files = sorted((run / "val_predictions").iterdir())
     assert [f.name for f in val_files] == ["step_000004.jsonl", "step_000008.jsonl", "step_000012.jsonl"]

@@ -7,7 +7,13 @@ import torch
 
 from loracls.data.tokenization import tokenize
 from loracls.model import load_classifier, load_tokenizer
-from loracls.training.evaluate import compute_metrics, predict_probs, write_predictions_jsonl
+from loracls.training.evaluate import (
+    compute_metrics,
+    describe_learning,
+    learning_summary,
+    predict_probs,
+    write_predictions_jsonl,
+)
 
 LABELS = ["negative", "positive"]
 
@@ -70,3 +76,42 @@ def test_prediction_file_has_one_complete_record_per_example(tmp_path):
     }
     assert rows[1]["predicted"] == "negative"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def evals(*values: float) -> list[dict]:
+    """`train_log.jsonl` eval records every 10 steps, with a train record between (ignored)."""
+    log = []
+    for n, value in enumerate(values, 1):
+        log += [{"kind": "train", "step": 10 * n - 5, "loss": 1.0}]
+        log += [{"kind": "eval", "step": 10 * n, "val_macro_f1": value, "val_accuracy": 0.0, "best": False}]
+    return log
+
+
+TEST = compute_metrics([0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 1, 0, 2, 2, 0, 0, 2], ["a", "b", "c"])
+
+
+def test_learning_still_improving_when_the_best_validation_is_the_last():
+    summary = learning_summary(evals(0.5, 0.6, 0.7), "macro_f1", 30, TEST)
+    assert (summary["still_improving"], summary["best_step"], summary["last_macro_f1"]) == (True, 30, 0.7)
+    lines = describe_learning(summary, "macro_f1")
+    assert "still improving at the last step (30, 3 validations)" in lines[0]
+
+
+def test_learning_peaked_early_names_the_step_and_keeps_the_first_of_equal_values():
+    summary = learning_summary(evals(0.7, 0.8, 0.8, 0.6, 0.5, 0.5, 0.5), "macro_f1", 70, TEST)
+    assert (summary["still_improving"], summary["best_step"], summary["best_macro_f1"]) == (False, 20, 0.8)
+    assert describe_learning(summary, "macro_f1")[0].startswith("validation macro_f1 peaked at step 20 of 70")
+    late = learning_summary(
+        evals(0.5, 0.6, 0.8, 0.7), "macro_f1", 40, TEST
+    )  # best at 30 of 40: nothing to say
+    assert late["still_improving"] is False and len(describe_learning(late, "macro_f1")) == 1
+
+
+def test_one_validation_cannot_tell_and_the_weakest_class_is_by_recall():
+    summary = learning_summary(evals(0.9), "macro_f1", 10, TEST)
+    assert summary["still_improving"] is False
+    assert summary["weakest_class"] == {"label": "b", "recall": 0.5, "support": 2.0}
+    assert describe_learning(summary, "macro_f1") == [
+        "validated once: whether more steps would help is not known (--eval-every)",
+        "weakest class on test: 'b' (recall 0.50, 2 examples)",
+    ]

@@ -86,6 +86,7 @@ def train(
     **options,
 ) -> None:
     """Fine-tune with LoRA, validate as it goes, and report on the test split."""
+    from loracls.training.evaluate import describe_learning
     from loracls.training.train import resume as resume_run
     from loracls.training.train import train as run_train
 
@@ -117,6 +118,8 @@ def train(
             f"macro-F1 {base['macro_f1']:.4f}; fine-tuned: {test['accuracy'] - base['accuracy']:+.4f} "
             f"accuracy, {test['macro_f1'] - base['macro_f1']:+.4f} macro-F1"
         )
+    for line in describe_learning(metrics["learning"], run.read_config().metric):
+        console.print(line, soft_wrap=True)
     console.print(per_class_table(test))
     if "confusion_matrix" in test:  # single-label; a multi-label run has one 2x2 matrix per label
         console.print(confusion_table(test))

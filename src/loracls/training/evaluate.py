@@ -197,6 +197,47 @@ def score(
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)
 
 
+def learning_summary(log: list[dict], metric: str, steps: int, test: dict) -> dict:
+    """How the run learned, from its validations (`train_log.jsonl`'s `eval` records) and the test metrics:
+    whether validation was still improving at the end (the best validation is the last of two or more:
+    more steps may help), or peaked early, and the test's weakest class by recall."""
+    values = [(r["step"], r[f"val_{metric}"]) for r in log if r.get("kind") == "eval"]
+    summary: dict = {"validations": len(values), "steps": steps}
+    if values:
+        best_step, best = max(values, key=lambda pair: pair[1])  # the first of equal values, as fit() keeps
+        last_step, last = values[-1]
+        summary |= {"best_step": best_step, f"best_{metric}": best, f"last_{metric}": last}
+        summary["still_improving"] = len(values) >= 2 and best_step == last_step
+    weakest = min(test["per_class"].items(), key=lambda item: (item[1]["recall"], item[1]["support"]))
+    summary["weakest_class"] = {"label": weakest[0], **{k: weakest[1][k] for k in ("recall", "support")}}
+    return summary
+
+
+def describe_learning(summary: dict, metric: str) -> list[str]:
+    """`learning_summary` in words, for the end of `loracls train`."""
+    lines = []
+    n, best = summary["validations"], summary.get("best_step")
+    if n < 2:
+        lines.append("validated once: whether more steps would help is not known (--eval-every)")
+    elif summary["still_improving"]:
+        lines.append(
+            f"validation {metric} was still improving at the last step ({best}, {n} validations): more steps "
+            "may help (--epochs, --min-steps)"
+        )
+    elif best < summary["steps"] / 2:
+        lines.append(
+            f"validation {metric} peaked at step {best} of {summary['steps']} "
+            f"({summary[f'best_{metric}']:.4f}, last {summary[f'last_{metric}']:.4f}): the best step is "
+            "kept; fewer steps would do"
+        )
+    weakest = summary["weakest_class"]
+    lines.append(
+        f"weakest class on test: {weakest['label']!r} (recall {weakest['recall']:.2f}, "
+        f"{int(weakest['support'])} examples)"
+    )
+    return lines
+
+
 def evaluation_probs(
     model: torch.nn.Module,
     dataset: Dataset,

@@ -40,9 +40,15 @@ from loracls.training.baseline import (
     baseline_summary,
     prompt_and_baseline,
 )
-from loracls.training.evaluate import evaluation_probs, score, tune_thresholds, write_predictions_jsonl
+from loracls.training.evaluate import (
+    evaluation_probs,
+    learning_summary,
+    score,
+    tune_thresholds,
+    write_predictions_jsonl,
+)
 from loracls.training.fit import FitResult, Interrupted, accumulation, fit
-from loracls.training.report import build_report
+from loracls.training.report import build_report, read_jsonl
 from loracls.training.runs import RunFolder, default_out, environment, write_jsonl
 
 
@@ -319,10 +325,12 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     run.stage = "testing the best checkpoint"
     best = best_model(model, result, cfg, run, accelerator)
     test = score_test_split(best, val_set, test_set, tokenizer, splits, cfg, run, accelerator, objective)
+    log = read_jsonl(run.file("train_log.jsonl")) if run.main else []
     metrics = {
         "test": test,
         "baseline": baseline_summary(baseline),
         "best_val": {"step": result.best_step, **result.best_val},
+        "learning": learning_summary(log, cfg.metric, result.steps, test),
         **run_figures(result, cfg, splits, share, plan, accelerator),
     }
     run.write_json("metrics.json", metrics)
