@@ -1,11 +1,20 @@
-"""How a run stores its prompt's label words and label order: any string is a label."""
+"""Prompts: how a run stores its label words and label order (any string is a label), label names made
+readable, and the texts' language."""
 
 import json
 
+import pytest
 import yaml
 
 from loracls.config import PromptConfig, TrainConfig
-from loracls.data.prompts import pin_prompt, resolve_prompt
+from loracls.data.prompts import (
+    candidate_prompts,
+    language_note,
+    pin_prompt,
+    readable_words,
+    resolve_prompt,
+    text_language,
+)
 from tests.conftest import FAST, invoke, toy_reviews
 
 ODD = ["a,b", "x=y", "1,000+"]
@@ -53,3 +62,79 @@ def test_the_string_forms_still_read(tmp_path):
     assert prompt.words == {"neg": "bad", "pos": "good"} and prompt.order == ["pos", "neg"]
     cfg = TrainConfig.load(None, {"verbalizers": "pos=good,neg=bad"})
     assert resolve_prompt(["neg", "pos"], [], cfg).words == {"neg": "bad", "pos": "good"}
+
+
+@pytest.mark.parametrize(
+    ("labels", "words"),
+    [
+        (["AddToPlaylist", "GetWeather"], ["add to playlist", "get weather"]),
+        (
+            ["card_arrival", "exchange_rate", "Refund_not_showing_up"],
+            ["card arrival", "exchange rate", "refund not showing up"],
+        ),
+        (["route_xx_refund", "route_xx_cancel", "route_xx_payment"], ["refund", "cancel", "payment"]),
+        (["HTTPError", "url-path", "a.b/c"], ["http error", "url path", "a b c"]),
+    ],
+)
+def test_label_names_become_words_and_a_shared_prefix_goes(labels, words):
+    assert readable_words(labels) == dict(zip(labels, words, strict=True))
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [["positive", "negative"], ["1", "2", "3"], ["体育", "财经"], ["x_a", "x_a_"], ["a-b", "a_b"]],
+)
+def test_names_that_read_already_or_would_collide_stay_as_they_are(labels):
+    """Nothing to change, or two labels that would become one word (`x a`, `a b`)."""
+    assert readable_words(labels) is None
+
+
+def test_a_task_that_is_not_sentiment_gets_its_readable_names_as_a_second_word_set():
+    labels = ["BookRestaurant", "PlayMusic"]
+    candidates = candidate_prompts(labels, ["play some jazz for me"], PromptConfig())
+    words = [c.words for c in candidates]
+    assert {"BookRestaurant": "book restaurant", "PlayMusic": "play music"} in words
+    assert {"BookRestaurant": "BookRestaurant", "PlayMusic": "PlayMusic"} in words
+    assert len(candidates) == 2 * len({c.name for c in candidates}) == 10  # every en template, both sets
+    sentiment = candidate_prompts(["negative", "positive"], ["fine"], PromptConfig())
+    assert all(c.words != readable_words(["negative", "positive"]) for c in sentiment)
+
+
+@pytest.mark.parametrize(
+    ("texts", "language"),
+    [
+        (
+            ["Hola, quiero cancelar mi pedido.", "No he recibido el reembolso de la compra, necesito ayuda."],
+            "latin",
+        ),
+        (["Bonjour, je voudrais annuler ma commande et obtenir le remboursement."], "latin"),
+        (["Привет, хочу вернуть деньги за заказ", "Карта не работает"], "ru"),
+        (["こんにちは、注文をキャンセルしたいです", "返金してください"], "ja"),
+        (["환불하고 싶어요", "카드가 작동하지 않아요"], "ko"),
+        (["质量很好，推荐购买", "太差了"], "zh"),
+        (["I want my money back, the card is not working", "where is my refund?"], "en"),
+        (["", "12345"], "en"),
+    ],
+)
+def test_the_texts_language_is_told_by_script_and_latin_script_english_by_its_words(texts, language):
+    assert text_language(texts) == language
+    note = language_note(texts)
+    assert (note is None) == (language in ("en", "zh"))
+    if note:
+        assert "the English ones are used" in note
+
+
+def test_a_run_on_spanish_texts_says_the_english_templates_are_used(tiny_models, tmp_path):
+    texts = ["quiero cancelar mi pedido", "el pago de mi tarjeta no funciona", "necesito un reembolso ya"]
+    data = tmp_path / "es.csv"
+    rows = [f"{texts[i % 3]} {i}, route_es_{['cancel', 'payment', 'refund'][i % 3]}" for i in range(60)]
+    data.write_text("text,label\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    args = ["train", "--model", tiny_models["llama"], "--data", data, "--out", tmp_path / "run", *FAST]
+    result = invoke(*args, "--epochs", "1", "--no-baseline")
+    assert result.exit_code == 0, result.output
+    assert "the texts look Latin-script but not English" in " ".join(result.output.split())
+    chosen = json.loads((tmp_path / "run/prompt.json").read_text())["choice"]
+    assert any(
+        c["verbalizers"] == "route_es_cancel=cancel,route_es_payment=payment,route_es_refund=refund"
+        for c in chosen["candidates"]
+    )

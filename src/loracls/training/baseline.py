@@ -30,6 +30,7 @@ from loracls.data.prompts import (
     answer_tokens,
     candidate_prompts,
     format_verbalizers,
+    language_note,
     pin_prompt,
     resolve_prompt,
 )
@@ -418,6 +419,9 @@ def prompt_and_baseline(
         try:
             one_token = kind.one_token_answers(cfg)
             console.print(search_line(cfg, splits, wants_baseline), soft_wrap=True)
+            note = language_note(list(splits.train["text"]))
+            if note and cfg.prompt == "auto" and cfg.prompt_template is None:
+                console.print(f"[yellow]prompt: {note}[/]", soft_wrap=True)
             choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=one_token)
         except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
             if not (wants_rows and cfg.head_init == "auto") or wants_baseline:
