@@ -253,6 +253,7 @@ def main() -> int:
         max_eval_examples=200 if not args.cpu else 16,
         batch_size=batch,
         epochs=max(1.0, steps * batch / min(examples, 1900 if not args.cpu else 190)),
+        min_steps=steps,  # --steps optimizer steps, not the default min_steps
         lr=2e-3,
         max_length=128 if not args.cpu else 48,
         target_modules="all-linear",
