@@ -124,7 +124,7 @@ def language_note(texts: list[str]) -> str | None:
         return None
     return (
         f"the texts look {SCRIPTS[language]}; loracls has English and Chinese prompt templates only, so the "
-        "English ones are used (--prompt-template and --prompt-instruction write your own)"
+        "English ones are used (--template and --instruction write your own)"
     )
 
 
