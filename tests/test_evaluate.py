@@ -93,25 +93,25 @@ TEST = compute_metrics([0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 1, 0, 2, 2, 0, 
 def test_learning_still_improving_when_the_best_validation_is_the_last():
     summary = learning_summary(evals(0.5, 0.6, 0.7), "macro_f1", 30, TEST)
     assert (summary["still_improving"], summary["best_step"], summary["last_macro_f1"]) == (True, 30, 0.7)
-    lines = describe_learning(summary, "macro_f1")
+    lines = describe_learning(summary)
     assert "still improving at the last step (30, 3 validations)" in lines[0]
 
 
 def test_learning_peaked_early_names_the_step_and_keeps_the_first_of_equal_values():
     summary = learning_summary(evals(0.7, 0.8, 0.8, 0.6, 0.5, 0.5, 0.5), "macro_f1", 70, TEST)
     assert (summary["still_improving"], summary["best_step"], summary["best_macro_f1"]) == (False, 20, 0.8)
-    assert describe_learning(summary, "macro_f1")[0].startswith("validation macro_f1 peaked at step 20 of 70")
+    assert describe_learning(summary)[0].startswith("validation macro_f1 peaked at step 20 of 70")
     late = learning_summary(
         evals(0.5, 0.6, 0.8, 0.7), "macro_f1", 40, TEST
     )  # best at 30 of 40: nothing to say
-    assert late["still_improving"] is False and len(describe_learning(late, "macro_f1")) == 1
+    assert late["still_improving"] is False and len(describe_learning(late)) == 1
 
 
 def test_one_validation_cannot_tell_and_the_weakest_class_is_by_recall():
     summary = learning_summary(evals(0.9), "macro_f1", 10, TEST)
     assert summary["still_improving"] is False
     assert summary["weakest_class"] == {"label": "b", "recall": 0.5, "support": 2.0}
-    assert describe_learning(summary, "macro_f1") == [
+    assert describe_learning(summary) == [
         "validated once: whether more steps would help is not known (--eval-every)",
         "weakest class on test: 'b' (recall 0.50, 2 examples)",
     ]

@@ -118,7 +118,7 @@ def train(
             f"macro-F1 {base['macro_f1']:.4f}; fine-tuned: {test['accuracy'] - base['accuracy']:+.4f} "
             f"accuracy, {test['macro_f1'] - base['macro_f1']:+.4f} macro-F1"
         )
-    for line in describe_learning(metrics["learning"], run.read_config().metric):
+    for line in describe_learning(metrics["learning"]):
         console.print(line, soft_wrap=True)
     console.print(per_class_table(test))
     if "confusion_matrix" in test:  # single-label; a multi-label run has one 2x2 matrix per label

@@ -89,7 +89,7 @@ def text_language(texts: list[str]) -> str:
     """The language (or script) of a sample of texts, a key of `SCRIPTS`: kana makes it Japanese, Hangul
     Korean, CJK ideographs over a fifth of the letters Chinese, Cyrillic over half Russian-like; Latin-script
     text is English when common English words are over 12% of its words, else `latin`."""
-    sample = "".join(texts[:200])
+    sample = " ".join(texts[:200])
     letters = [c for c in sample if c.isalpha()]
     if not letters:
         return "en"
@@ -105,7 +105,7 @@ def text_language(texts: list[str]) -> str:
         return "zh"
     if share("\u0400", "\u04ff") > 0.5:
         return "ru"
-    words = re.findall(r"[^\W\d_]+", " ".join(texts[:200]).lower())
+    words = re.findall(r"[^\W\d_]+", sample.lower())
     common = set(ENGLISH_WORDS.split())
     english = sum(1 for w in words if w in common) / max(len(words), 1)
     return "en" if english > 0.12 else "latin"

@@ -202,7 +202,7 @@ def learning_summary(log: list[dict], metric: str, steps: int, test: dict) -> di
     whether validation was still improving at the end (the best validation is the last of two or more:
     more steps may help), or peaked early, and the test's weakest class by recall."""
     values = [(r["step"], r[f"val_{metric}"]) for r in log if r.get("kind") == "eval"]
-    summary: dict = {"validations": len(values), "steps": steps}
+    summary: dict = {"metric": metric, "validations": len(values), "steps": steps}
     if values:
         best_step, best = max(values, key=lambda pair: pair[1])  # the first of equal values, as fit() keeps
         last_step, last = values[-1]
@@ -213,9 +213,9 @@ def learning_summary(log: list[dict], metric: str, steps: int, test: dict) -> di
     return summary
 
 
-def describe_learning(summary: dict, metric: str) -> list[str]:
+def describe_learning(summary: dict) -> list[str]:
     """`learning_summary` in words, for the end of `loracls train`."""
-    lines = []
+    lines, metric = [], summary["metric"]
     n, best = summary["validations"], summary.get("best_step")
     if n < 2:
         lines.append("validated once: whether more steps would help is not known (--eval-every)")
