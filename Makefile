@@ -19,11 +19,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/loracls train --config configs/demo.yaml
 
+# two workers of one thread each, a file to a worker, the longest files first (tests/conftest.py)
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP) lint
-	$(PY) -m pytest -ra --durations=15
+	$(PY) -m pytest $(XDIST) -ra --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -ra -m "not slow"
+	$(PY) -m pytest $(XDIST) -ra -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts

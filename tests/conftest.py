@@ -35,6 +35,17 @@ from loracls.environment.cpu import SLOW_CPU_OVERRIDE
 # numbers on whatever CPU runs them (tests/test_int8.py checks the refusal with this unset)
 os.environ[SLOW_CPU_OVERRIDE] = "1"
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: each worker, and what it starts, on one thread
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+FIRST = ("test_e2e_gemma.py", "test_distributed.py")
+"""The longest files, started first so that `pytest -n 2 --dist loadfile` does not end on one of them."""
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARACTERS = string.printable.strip() + " \n" + "很好差的书"
 WIDTH = dict(

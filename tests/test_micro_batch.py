@@ -2,6 +2,9 @@
 one large batch does."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -38,9 +41,9 @@ def test_requested_micro_batch_wins_and_cpu_takes_the_cap():
     assert micro_batch.micro_batch_size(None, 64, sharded, None, {}, ()) == (16, "FSDP: not probed")
 
 
-def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
-    """One optimizer step over exactly 16 training examples; its log record and the trained head."""
-    cfg = TrainConfig(
+def step_options(tmp_path, tiny_models, toy_csv, name, **overrides) -> dict:
+    """The options of one optimizer step over exactly 16 training examples."""
+    return dict(
         model=str(tiny_models["llama"]),
         data=str(toy_csv),
         out=str(tmp_path / name),
@@ -56,9 +59,23 @@ def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
         # fp32 unless a test asks: `auto` is bf16 on CPUs with AVX-512-BF16, which rounds sums apart
         **{"precision": "fp32", **overrides},
     )
-    _, metrics = train(cfg)
-    log = [json.loads(x) for x in (tmp_path / name / "train_log.jsonl").read_text().splitlines()]
-    return log[0], metrics
+
+
+# `train(TrainConfig(**options))` in a fresh interpreter, the options given as JSON
+TRAIN = """import json, sys
+from loracls.config import TrainConfig
+from loracls.training.train import train
+train(TrainConfig(**json.loads(sys.argv[1])))"""
+
+
+def first_record(out: Path) -> dict:
+    return json.loads((out / "train_log.jsonl").read_text().splitlines()[0])
+
+
+def one_step(tmp_path, tiny_models, toy_csv, name, **overrides):
+    """One optimizer step over exactly 16 training examples; its log record and the trained head."""
+    _, metrics = train(TrainConfig(**step_options(tmp_path, tiny_models, toy_csv, name, **overrides)))
+    return first_record(tmp_path / name), metrics
 
 
 def test_accumulation_gives_the_gradient_of_one_batch(tmp_path, tiny_models, toy_csv):
@@ -86,9 +103,14 @@ def test_bf16_gradient_checkpointing_and_eager_attention_train(tmp_path, tiny_mo
 
 @pytest.mark.slow
 def test_compiled_layers_train_like_eager_ones(tmp_path, tiny_models, toy_csv):
+    """The compiled run is a process of its own: `torch.compile` leaves process-wide state behind (its
+    compile workers, the loaded kernels, dynamo's caches) that the rest of the suite should not run beside,
+    and a crash inside compiled code fails this test with its message instead of aborting the suite."""
     reference, _ = one_step(tmp_path, tiny_models, toy_csv, "eager-run", micro_batch_size=8)
-    compiled, _ = one_step(tmp_path, tiny_models, toy_csv, "compiled", micro_batch_size=8, compile=True)
-    assert compiled["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
+    options = step_options(tmp_path, tiny_models, toy_csv, "compiled", micro_batch_size=8, compile=True)
+    done = subprocess.run([sys.executable, "-c", TRAIN, json.dumps(options)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert first_record(tmp_path / "compiled")["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
     assert (tmp_path / "compiled/best/adapter_model.safetensors").is_file()  # names unchanged by compiling
 
 
