@@ -46,6 +46,7 @@ FIRST = ("test_e2e_gemma.py", "test_distributed.py")
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
 
+
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARACTERS = string.printable.strip() + " \n" + "很好差的书"
 WIDTH = dict(
