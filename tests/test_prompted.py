@@ -95,21 +95,28 @@ def test_words_of_several_tokens_start_from_the_mean_of_their_rows(tiny_models):
     assert not torch.equal(rows[0], rows[1])  # `n` is shared, the rest is not
 
 
-def test_labels_whose_words_begin_alike_train_a_verbalizer_head(tiny_models, tmp_path):
+@pytest.mark.parametrize("head_init", ["verbalizer", "auto"])
+def test_labels_whose_words_begin_alike_train_a_verbalizer_head_when_asked(tiny_models, tmp_path, head_init):
+    """`verbalizer` starts them from the mean of their tokens' rows; `auto` keeps a zero head for them until
+    that start is measured to help, and says why."""
     data = tmp_path / "three.csv"
     table = toy_reviews(60)
     table.loc[::3, "label"] = "neutral"
     table.to_csv(data, index=False)
     result = invoke(
         "train", "--model", tiny_models["llama"], "--data", data, "--out", tmp_path / "run", *FAST,
-        "--head-init", "verbalizer", "--prompt", "en-label",
+        "--head-init", head_init, "--prompt", "en-label", "--no-baseline",
         "--verbalizers", "negative=no,neutral=nah,positive=yes",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     chosen = json.loads((tmp_path / "run/prompt.json").read_text())
     assert chosen["verbalizers"] == {"negative": "no", "neutral": "nah", "positive": "yes"}
     config = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
-    assert config["head_init"] == "verbalizer"
+    assert config["head_init"] == ("verbalizer" if head_init == "verbalizer" else "zero")
+    if head_init == "auto":
+        assert "head_init auto: zero (two labels' words begin with the same token" in " ".join(
+            result.output.split()
+        )
 
 
 @pytest.fixture(scope="module")

@@ -426,8 +426,11 @@ def prompt_and_baseline(
             return stored, None
         pin_prompt(cfg, choice.prompt)
         if wants_rows and cfg.head_init == "auto":
-            cfg.head_init = "verbalizer" if choice.informative() else "zero"
-            console.print(f"head_init auto: {cfg.head_init} ({choice.informative_line()})", soft_wrap=True)
+            following = answer_tokens(tokenizer, choice.prompt, splits.labels)[1]
+            apart = len({ids[0] for ids in following}) == len(following)
+            cfg.head_init = "verbalizer" if apart and choice.informative() else "zero"
+            why = choice.informative_line() if apart else AUTO_NEEDS_APART
+            console.print(f"head_init auto: {cfg.head_init} ({why})", soft_wrap=True)
         run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
         console.print(prompt_line(choice), soft_wrap=True)
         baseline = stored
@@ -444,6 +447,14 @@ def prompt_and_baseline(
             rows = label_rows(lm.get_output_embeddings().weight, following)
     del lm
     return baseline, rows
+
+
+AUTO_NEEDS_APART = (
+    "two labels' words begin with the same token; --head-init verbalizer starts those from the mean of their "
+    "tokens' rows, which auto does not choose until measured to help"
+)
+"""Why `head_init: auto` takes a zero head for labels whose words begin alike (`card arrival`, `card
+linking`): their mean-of-rows start (`objective.label_rows`) is not yet measured against a zero head."""
 
 
 def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:
