@@ -113,7 +113,7 @@ def test_a_verbalizer_head_starts_where_the_real_prompt_does():
     from loracls.data.prompts import Prompter, answer_tokens, resolve_prompt
     from loracls.data.tokenization import tokenize
     from loracls.model import load_causal_lm
-    from loracls.training.baseline import label_log_probs
+    from loracls.objective import label_log_probs, label_rows
     from loracls.training.evaluate import predict_probs
 
     path = resolve_model("gemma3-270m")
@@ -122,15 +122,15 @@ def test_a_verbalizer_head_starts_where_the_real_prompt_does():
     prompt = resolve_prompt(splits.labels, [], TrainConfig(prompt="zh-sentiment"))
     assert prompt.words == {"negative": "负面", "positive": "正面"}
     shared, following = answer_tokens(tokenizer, prompt, splits.labels)
-    assert shared == []  # Gemma's tokenizer reads each word as its own token after "情感："
-    rows = lm.get_output_embeddings().weight[following].detach().clone()
+    assert shared == []  # the words part on their first token after "情感："
+    rows = label_rows(lm.get_output_embeddings().weight, following)
     classifier = load_classifier(path, splits.labels, head_init="verbalizer", head_rows=rows).eval()
     classifier.config.pad_token_id = tokenizer.pad_token_id
     prompter = Prompter(tokenizer, prompt, [], 64, shared)
     dataset = tokenize(splits.test, tokenizer, 64, splits.label2id, prompter)
     head = predict_probs(classifier, dataset, tokenizer, batch_size=8)
     zero_shot = label_log_probs(
-        lm, tokenizer, prompter.encode(list(splits.test["text"])), [[t] for t in following]
+        lm, tokenizer, prompter.encode(list(splits.test["text"])), [ids[:1] for ids in following]
     )
     assert head.argmax(1).tolist() == zero_shot.argmax(1).tolist()
     assert len(set(head.argmax(1).tolist())) == 2  # the real prompt tells the reviews apart: both labels

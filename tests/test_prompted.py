@@ -16,7 +16,7 @@ from loracls.config import PromptConfig
 from loracls.data.prompts import Prompter, answer_tokens, format_verbalizers, resolve_prompt
 from loracls.data.tokenization import tokenize
 from loracls.model import load_causal_lm, load_classifier, load_tokenizer
-from loracls.training.baseline import label_log_probs
+from loracls.objective import label_log_probs, label_rows
 from loracls.training.evaluate import predict_probs
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 
@@ -29,9 +29,10 @@ LABELS = ["negative", "positive"]
     + [(family, True) for family in ("gemma3", "gemma4", "gemma4mm")],
 )
 def test_step_zero_answers_what_the_zero_shot_prompt_answers(tiny_models, family, softcapped):
-    """The head built from the LM head's rows gives, on every text, the label whose verbaliser token the
-    uncalibrated zero-shot prompt ranks first, and its logits are the LM's logits for those tokens before the
-    LM's final softcap (Gemma's `final_logit_softcapping`: cap * tanh(logit / cap), which the head lacks)."""
+    """Where the labels' words part on their first token, the head built from the LM head's rows of those
+    tokens gives, on every text, the label whose token the uncalibrated zero-shot prompt ranks first, and its
+    logits are the LM's logits for those tokens before the LM's final softcap (Gemma's
+    `final_logit_softcapping`: cap * tanh(logit / cap), which the head lacks)."""
     path = str(tiny_models[family])
     tokenizer, lm = load_tokenizer(path), load_causal_lm(path)
     text_config = lm.config.get_text_config()
@@ -41,7 +42,8 @@ def test_step_zero_answers_what_the_zero_shot_prompt_answers(tiny_models, family
     )
     shared, following = answer_tokens(tokenizer, prompt, LABELS)
     assert tokenizer.decode(shared) == " "  # the character tokenizer splits off the separator's space
-    rows = lm.get_output_embeddings().weight[following].detach().clone()
+    assert [tokenizer.decode(ids) for ids in following] == ["bad", "good"]  # read from `b` and `g`
+    rows = label_rows(lm.get_output_embeddings().weight, following)
     classifier = load_classifier(path, LABELS, head_init="verbalizer", head_rows=rows).eval()
     classifier.config.pad_token_id = tokenizer.pad_token_id
     table = toy_reviews(24, seed=5)
@@ -55,9 +57,8 @@ def test_step_zero_answers_what_the_zero_shot_prompt_answers(tiny_models, family
         cap = None
         if softcapped:  # Gemma 2 ships 30.0; this one at the tiny logits' scale, where tanh bends them
             cap = text_config.final_logit_softcapping = float(np.abs(logits).max()) / 2  # read in forward
-        zero_shot = label_log_probs(
-            lm, tokenizer, prompter.encode(list(table["text"])), [[t] for t in following]
-        )
+        firsts = [ids[:1] for ids in following]
+        zero_shot = label_log_probs(lm, tokenizer, prompter.encode(list(table["text"])), firsts)
     assert head.argmax(1).tolist() == zero_shot.argmax(1).tolist()  # a softcap keeps the order
     np.testing.assert_allclose(head, softmax(logits), atol=1e-4)
     capped = logits if cap is None else cap * np.tanh(logits / cap)
@@ -72,19 +73,50 @@ def softmax(scores: np.ndarray) -> np.ndarray:
     return np.exp(scores) / np.exp(scores).sum(1, keepdims=True)
 
 
-def test_labels_that_part_on_the_same_token_are_refused_for_a_head(tiny_models, tmp_path):
+def test_words_of_several_tokens_start_from_the_mean_of_their_rows(tiny_models):
+    """Where two labels' words begin alike (no/nah), each word is read from all its tokens: at step 0 each
+    label's logit is the mean of the LM's logits of its word's tokens at the prompt's end."""
+    path = str(tiny_models["llama"])
+    tokenizer, lm = load_tokenizer(path), load_causal_lm(path)
+    labels = ["negative", "neutral", "positive"]
+    words = PromptConfig(prompt="en-label", verbalizers="negative=no,neutral=nah,positive=yes")
+    prompt = resolve_prompt(labels, [], words)
+    shared, following = answer_tokens(tokenizer, prompt, labels)
+    assert [tokenizer.decode(ids) for ids in following] == ["no", "nah", "yes"]  # after the shared " "
+    rows = label_rows(lm.get_output_embeddings().weight, following)
+    classifier = load_classifier(path, labels, head_init="verbalizer", head_rows=rows).eval()
+    prompter = Prompter(tokenizer, prompt, [], 64, shared)
+    with torch.no_grad():
+        for ids in prompter.encode(list(toy_reviews(6, seed=2)["text"])):
+            head = classifier(input_ids=torch.tensor([ids])).logits[0]
+            lm_logits = lm(input_ids=torch.tensor([ids])).logits[0, -1]
+            expected = torch.stack([lm_logits[t].mean() for t in following])
+            torch.testing.assert_close(head, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(rows[0], rows[1])  # `n` is shared, the rest is not
+
+
+@pytest.mark.parametrize("head_init", ["verbalizer", "auto"])
+def test_labels_whose_words_begin_alike_train_a_verbalizer_head_when_asked(tiny_models, tmp_path, head_init):
+    """`verbalizer` starts them from the mean of their tokens' rows; `auto` keeps a zero head for them until
+    that start is measured to help, and says why."""
     data = tmp_path / "three.csv"
     table = toy_reviews(60)
-    table.loc[::3, "label"] = "neutral"  # negative and neutral part on the same letter after the shared "n"
+    table.loc[::3, "label"] = "neutral"
     table.to_csv(data, index=False)
     result = invoke(
         "train", "--model", tiny_models["llama"], "--data", data, "--out", tmp_path / "run", *FAST,
-        "--head-init", "verbalizer", "--prompt", "en-label",
+        "--head-init", head_init, "--prompt", "en-label", "--no-baseline",
         "--verbalizers", "negative=no,neutral=nah,positive=yes",
     )  # fmt: skip
-    assert result.exit_code == 2
-    output = " ".join(result.output.split())
-    assert "two labels share the token where their verbalisers part" in output and "--verbalizers" in output
+    assert result.exit_code == 0, result.output
+    chosen = json.loads((tmp_path / "run/prompt.json").read_text())
+    assert chosen["verbalizers"] == {"negative": "no", "neutral": "nah", "positive": "yes"}
+    config = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
+    assert config["head_init"] == ("verbalizer" if head_init == "verbalizer" else "zero")
+    if head_init == "auto":
+        assert "head_init auto: zero (two labels' words begin with the same token" in " ".join(
+            result.output.split()
+        )
 
 
 @pytest.fixture(scope="module")

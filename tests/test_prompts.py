@@ -11,10 +11,12 @@ from loracls.data.prompts import (
     candidate_prompts,
     language_note,
     pin_prompt,
+    read_descriptions,
     readable_words,
     resolve_prompt,
     text_language,
 )
+from loracls.errors import LoraclsError
 from tests.conftest import FAST, invoke, toy_reviews
 
 ODD = ["a,b", "x=y", "1,000+"]
@@ -138,3 +140,75 @@ def test_a_run_on_spanish_texts_says_the_english_templates_are_used(tiny_models,
         c["verbalizers"] == "route_es_cancel=cancel,route_es_payment=payment,route_es_refund=refund"
         for c in chosen["candidates"]
     )
+
+
+DESCRIBED = {"card_arrival": "my card has not arrived", "refund": "money back for a purchase"}
+
+
+@pytest.mark.parametrize("form", ["mapping", "yaml", "json", "csv", "tsv"])
+def test_label_descriptions_read_from_a_mapping_or_a_file_join_the_search(tmp_path, form):
+    spec = DESCRIBED
+    if form != "mapping":
+        spec = tmp_path / f"descriptions.{form}"
+        if form in ("csv", "tsv"):
+            sep = "," if form == "csv" else "\t"
+            lines = [f"label{sep}description"] + [f"{k}{sep}{v}" for k, v in DESCRIBED.items()]
+            spec.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        else:
+            spec.write_text(json.dumps(DESCRIBED) if form == "json" else yaml.safe_dump(DESCRIBED))
+        spec = str(spec)
+    assert read_descriptions(spec, list(DESCRIBED)) == DESCRIBED
+    candidates = candidate_prompts(
+        list(DESCRIBED), ["where is my card"], PromptConfig(label_descriptions=spec)
+    )
+    assert sum(c.words == DESCRIBED for c in candidates) == 5  # with each English template
+    options = [c for c in candidates if c.name == "en-options" and c.words == DESCRIBED][0]
+    assert "my card has not arrived, money back for a purchase" in options.render("x")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("card_arrival: my card has not arrived\n", r"missing or empty: \['refund'\]"),
+        ("card_arrival: late card\nrefund: ''\n", r"missing or empty: \['refund'\]"),
+        ("card_arrival: a\nrefund: b\nrefnd: c\n", r"not a label of the data: \['refnd'\]"),
+        ("- card_arrival\n- refund\n", "must map each label to its description"),
+        ("card_arrival: [unclosed\n", "not YAML or JSON"),
+    ],
+)
+def test_label_descriptions_that_miss_a_label_or_name_an_unknown_one_are_refused(tmp_path, content, message):
+    path = tmp_path / "descriptions.yaml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(LoraclsError, match=message) as caught:
+        read_descriptions(str(path), list(DESCRIBED))
+    assert str(path) in str(caught.value)
+    table = tmp_path / "descriptions.csv"
+    table.write_text("name,text\ncard_arrival,late\n", encoding="utf-8")
+    with pytest.raises(LoraclsError, match="needs the columns `label` and `description`"):
+        read_descriptions(str(table), list(DESCRIBED))
+    with pytest.raises(LoraclsError, match="is not a file"):
+        read_descriptions(str(tmp_path / "absent.yaml"), list(DESCRIBED))
+
+
+def test_a_run_with_label_descriptions_scores_them_and_a_chosen_one_starts_the_head(tiny_models, tmp_path):
+    table = toy_reviews(90)
+    data, described = tmp_path / "reviews.csv", tmp_path / "labels.yaml"
+    table.to_csv(data, index=False)
+    words = {"negative": "a bad review", "positive": "a good review"}
+    described.write_text(yaml.safe_dump(words), encoding="utf-8")
+    args = ["train", "--model", tiny_models["llama"], "--data", data, "--out", tmp_path / "run", *FAST]
+    args += ["--label-descriptions", described, "--prompt", "en-label", "--head-init", "verbalizer"]
+    result = invoke(*args, "--no-baseline", "--prompt-sample", "20")
+    assert result.exit_code == 0, result.output
+    chosen = json.loads((tmp_path / "run/prompt.json").read_text())
+    assert "negative=a bad review,positive=a good review" in [
+        c["verbalizers"] for c in chosen["choice"]["candidates"]
+    ]
+    config = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
+    assert config["label_descriptions"] == words  # the run keeps them, not the file's name
+
+    described.write_text("negative: a bad review\npositiv: a good review\n", encoding="utf-8")
+    bad = invoke("train", "--model", tmp_path / "never-loaded", "--data", data, "--out", tmp_path / "bad",
+                 "--label-descriptions", described)  # fmt: skip
+    assert bad.exit_code == 2 and "not a label of the data: ['positiv']" in " ".join(bad.output.split())
+    assert not (tmp_path / "bad").exists()  # refused before a run folder or a model

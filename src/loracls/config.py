@@ -36,6 +36,11 @@ class PromptConfig:
     """The label words: `label=word,...` (for labels without `,` or `=`), or in YAML a mapping of label to
     word (any label); default: chosen with the prompt among the label names and, for sentiment labels, word
     sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese). config.yaml stores the mapping."""
+    label_descriptions: str | dict[str, str] | None = None
+    """A few words for each label, for the prompt: a YAML or JSON file mapping label to description, a CSV
+    with the columns `label` and `description`, or in YAML a mapping. They join the prompt search as one more
+    set of label words (what an `-options` prompt lists and the others answer), and a head started from the
+    chosen prompt starts from their tokens."""
     prompt_template: str | None = None
     """An own query block with `{text}`, ending where the answer starts; replaces the template's."""
     prompt_instruction: str | None = None
@@ -444,8 +449,8 @@ GROUPS = {
         *("track", "out"),
     ],
     "Prompt and baseline": [
-        *("prompt", "prompt_sample", "baseline", "baseline_shots", "verbalizers", "prompt_template"),
-        "prompt_instruction",
+        *("prompt", "prompt_sample", "baseline", "baseline_shots", "verbalizers", "label_descriptions"),
+        *("prompt_template", "prompt_instruction"),
         *("label_order", "calibrate", "chat_template"),
     ],
     "Speed and memory": [

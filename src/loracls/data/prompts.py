@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+import pandas as pd
+import yaml
 from transformers import PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig
@@ -162,6 +165,43 @@ def parse_verbalizers(spec: str | dict[str, str] | None, labels: list[str]) -> d
     return {label: pairs[label] for label in labels}
 
 
+def read_descriptions(spec: str | dict[str, str] | None, labels: list[str]) -> dict[str, str] | None:
+    """{label: description} from a mapping or a file (`TrainConfig.label_descriptions`): YAML or JSON
+    holding a mapping, or a CSV/TSV with the columns `label` and `description`. Every label needs a
+    description that is not empty, and a label the data does not have is refused (a typo would go unseen)."""
+    if not spec:
+        return None
+    where = "label_descriptions"
+    if isinstance(spec, dict):
+        pairs = {str(label): str(text) for label, text in spec.items()}
+    else:
+        path = Path(spec)
+        where = str(path)
+        if not path.is_file():
+            raise LoraclsError(f"label descriptions: {path} is not a file")
+        if path.suffix.lower() in (".csv", ".tsv"):
+            table = pd.read_csv(path, sep="\t" if path.suffix.lower() == ".tsv" else ",", dtype=str)
+            if not {"label", "description"} <= set(table.columns):
+                raise LoraclsError(f"{path}: needs the columns `label` and `description`, has {list(table)}")
+            pairs = dict(zip(table["label"], table["description"].fillna(""), strict=True))
+        else:
+            try:
+                loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            except yaml.YAMLError as e:
+                raise LoraclsError(f"{path}: not YAML or JSON ({e})") from e
+            if not isinstance(loaded, dict):
+                raise LoraclsError(f"{path}: must map each label to its description")
+            pairs = {str(label): "" if text is None else str(text) for label, text in loaded.items()}
+    missing = [label for label in labels if not pairs.get(label, "").strip()]
+    unknown = [label for label in pairs if label not in labels]
+    if missing or unknown:
+        raise LoraclsError(
+            f"{where}: every label needs a description, and only the data's labels {labels}; "
+            f"missing or empty: {missing}; not a label of the data: {unknown}"
+        )
+    return {label: " ".join(pairs[label].split()) for label in labels}
+
+
 def parse_label_order(spec: str | list[str] | None, labels: list[str]) -> list[str]:
     """The labels in the order a prompt lists them: a list, or comma-separated; default `labels`."""
     if not spec:
@@ -214,8 +254,9 @@ class Prompt:
 
 def candidate_prompts(labels: list[str], texts: list[str], prompt: PromptConfig) -> list[Prompt]:
     """The prompts `prompt` allows: its named template, or (`auto`) every built-in one of the texts'
-    language, each with every label-word set that fits, unless `verbalizers`/`prompt_template`/
-    `prompt_instruction` fix them. The first is the default when nothing chooses."""
+    language, each with every label-word set that fits (the `label_descriptions` among them), unless
+    `verbalizers`/`prompt_template`/`prompt_instruction` fix them. The first is the default when nothing
+    chooses."""
     order = parse_label_order(prompt.label_order, labels)
     language = detect_language(texts)
     if prompt.prompt != "auto":
@@ -235,6 +276,9 @@ def candidate_prompts(labels: list[str], texts: list[str], prompt: PromptConfig)
     readable = readable_words(labels)
     if readable and len(word_sets) == 1:  # not a sentiment task: the names as words, beside the names
         word_sets.append(readable)
+    described = read_descriptions(prompt.label_descriptions, labels)
+    if described:
+        word_sets.append(described)
     fixed = parse_verbalizers(prompt.verbalizers, labels)
     if fixed:
         word_sets = [fixed]
@@ -292,17 +336,16 @@ def verbalizer_tokens(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> dic
 
 def answer_tokens(
     tokenizer: PreTrainedTokenizerBase, prompt: Prompt, labels: list[str]
-) -> tuple[list[int], list[int]] | None:
-    """(the tokens every label's verbaliser starts with, each label's next token in label order): a
+) -> tuple[list[int], list[list[int]]]:
+    """(the tokens every label's verbaliser starts with, each label's tokens after them, in label order): a
     classifier initialised from the LM head reads the prompt followed by the shared tokens (usually none;
-    a tokenizer that splits off the separator's space gives one) and scores one token per label. None when
-    two labels have the same next token."""
+    a tokenizer that splits off the separator's space gives one), and starts each label's row from the
+    tokens that follow (`objective.label_rows`)."""
     tokens = [verbalizer_tokens(tokenizer, prompt)[label] for label in labels]
     shared = 0
     while all(len(t) > shared + 1 and t[shared] == tokens[0][shared] for t in tokens):
         shared += 1
-    following = [t[shared] for t in tokens]
-    return (tokens[0][:shared], following) if len(set(following)) == len(following) else None
+    return tokens[0][:shared], [t[shared:] for t in tokens]
 
 
 @dataclass

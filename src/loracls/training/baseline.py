@@ -40,7 +40,7 @@ from loracls.environment.devices import inference_autocast, inference_device
 from loracls.environment.micro_batch import CPU_MICRO_BATCH
 from loracls.errors import LoraclsError
 from loracls.model import load_causal_lm
-from loracls.objective import input_prompter, label_log_probs, objective_kind
+from loracls.objective import input_prompter, label_log_probs, label_rows, objective_kind
 from loracls.training.evaluate import gather_rows, score, write_predictions_jsonl
 from loracls.training.runs import RunFolder, write_json
 
@@ -153,7 +153,6 @@ def choose_prompt(
     train: pd.DataFrame | None,
     labels: list[str],
     cfg: PromptConfig,
-    one_token: bool = False,
 ) -> PromptChoice:
     """The candidate prompt (`candidate_prompts`) whose uncalibrated zero-shot answers score the best
     macro-F1 on a stratified sample of `cfg.prompt_sample` training examples (ties: the higher mean
@@ -161,7 +160,7 @@ def choose_prompt(
 
     Uncalibrated, because that is what a verbaliser-initialised head answers at step 0; macro-F1, because a
     prompt that gives every text one label (listing the options, a small model copies the first) scores low
-    on it. `one_token`: skip candidates a verbaliser-initialised head cannot read (`answer_tokens`).
+    on it.
     """
     candidates = candidate_prompts(labels, [] if train is None else list(train["text"]), cfg)
     if train is None or train.empty:
@@ -170,7 +169,7 @@ def choose_prompt(
     label2id = label_ids(labels)
     gold = np.array([label2id[x] for x in sample["label"]])
     rows = [{"template": p.name, "verbalizers": format_verbalizers(p.words)} for p in candidates]
-    readable: dict[str, list[tuple[int, dict[str, list[int]]]]] = {}  # rendered prompt -> candidates
+    groups: dict[str, list[tuple[int, dict[str, list[int]]]]] = {}  # rendered prompt -> candidates
     chat = bool(cfg.chat_template)
     for n, prompt in enumerate(candidates):
         try:
@@ -178,12 +177,9 @@ def choose_prompt(
         except LoraclsError as e:
             rows[n]["skipped"] = str(e)
             continue
-        if one_token and answer_tokens(tokenizer, prompt, labels) is None:
-            rows[n]["skipped"] = "two labels share the token where their verbalisers part"
-            continue
-        readable.setdefault(prompt.render("\0"), []).append((n, tokens))
+        groups.setdefault(prompt.render("\0"), []).append((n, tokens))
     scored: list[tuple[tuple[float, float], int]] = []  # (macro-F1, gold log-prob), candidate
-    for group in readable.values():
+    for group in groups.values():
         # candidates whose prompts are the same text (word sets of a template that lists no options) are
         # scored in one pass: every word set's tokens are read from the same forward passes
         prompts = Prompter(tokenizer, candidates[group[0][0]], [], cfg.max_length, chat=chat).encode(
@@ -417,12 +413,11 @@ def prompt_and_baseline(
     lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
     with accelerator.autocast():
         try:
-            one_token = kind.one_token_answers(cfg)
             console.print(search_line(cfg, splits, wants_baseline), soft_wrap=True)
             note = language_note(list(splits.train["text"]))
             if note and cfg.prompt == "auto" and cfg.prompt_template is None:
                 console.print(f"[yellow]prompt: {note}[/]", soft_wrap=True)
-            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, one_token=one_token)
+            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg)
         except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
             if not (wants_rows and cfg.head_init == "auto") or wants_baseline:
                 raise
@@ -431,9 +426,11 @@ def prompt_and_baseline(
             return stored, None
         pin_prompt(cfg, choice.prompt)
         if wants_rows and cfg.head_init == "auto":
-            readable = answer_tokens(tokenizer, choice.prompt, splits.labels) is not None
-            cfg.head_init = "verbalizer" if readable and choice.informative() else "zero"
-            console.print(f"head_init auto: {cfg.head_init} ({choice.informative_line()})", soft_wrap=True)
+            following = answer_tokens(tokenizer, choice.prompt, splits.labels)[1]
+            apart = len({ids[0] for ids in following}) == len(following)
+            cfg.head_init = "verbalizer" if apart and choice.informative() else "zero"
+            why = choice.informative_line() if apart else AUTO_NEEDS_APART
+            console.print(f"head_init auto: {cfg.head_init} ({why})", soft_wrap=True)
         run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
         console.print(prompt_line(choice), soft_wrap=True)
         baseline = stored
@@ -447,9 +444,17 @@ def prompt_and_baseline(
         if wants_rows and cfg.prompted:  # the LM head's rows of each label's token after the prompt
             prompter = input_prompter(tokenizer, cfg, splits.labels)  # refuses words a head cannot read
             following = answer_tokens(tokenizer, prompter.prompt, splits.labels)[1]
-            rows = lm.get_output_embeddings().weight[following].detach().float().cpu().clone()
+            rows = label_rows(lm.get_output_embeddings().weight, following)
     del lm
     return baseline, rows
+
+
+AUTO_NEEDS_APART = (
+    "two labels' words begin with the same token; --head-init verbalizer starts those from the mean of their "
+    "tokens' rows, which auto does not choose until measured to help"
+)
+"""Why `head_init: auto` takes a zero head for labels whose words begin alike (`card arrival`, `card
+linking`): their mean-of-rows start (`objective.label_rows`) is not yet measured against a zero head."""
 
 
 def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:

@@ -23,6 +23,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
 from loracls.console import console
+from loracls.data.prompts import parse_verbalizers, read_descriptions
 from loracls.data.splits import Splits, load_splits
 from loracls.data.tokenization import tokenize, truncated_share
 from loracls.environment.cpu import emulated_bf16_warning
@@ -135,6 +136,8 @@ def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
             f"data: {len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test, "
             f"labels {splits.labels}"
         )
+        parse_verbalizers(cfg.verbalizers, splits.labels)  # refused before a run folder exists
+        cfg.label_descriptions = read_descriptions(cfg.label_descriptions, splits.labels)  # config.yaml: them
         out = [cfg.out or default_out(cfg.data)]
         if processes.num_processes > 1:
             broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
