@@ -6,7 +6,8 @@ beside the zero-shot prompt that scores whole words (the sum of their tokens' lo
 first-token head exists only where every label parts on a different token; many intents (`card arrival`,
 `card linking`) do not.
 
-    python benchmarks/head_rows.py            # zh-reviews, en-tweets, BANKING77 (77 intents, readable names)
+    python benchmarks/head_rows.py --tasks zh-reviews en-tweets --texts 500   # what `make numbers` runs
+    python benchmarks/head_rows.py --texts 500   # BANKING77 too (slow: whole words of 77 intents)
     python benchmarks/head_rows.py --quick    # 80 texts a task (BANKING77 needs one per intent)
 """
 
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import write_result
 from sklearn.metrics import accuracy_score, f1_score
 
-from benchmarks.common import RESULTS, write_result
 from loracls.config import TrainConfig
 from loracls.data.prompts import Prompter, readable_words, resolve_prompt, verbalizer_tokens
 from loracls.data.splits import load_splits
@@ -98,7 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS))
     parser.add_argument("--texts", type=int, default=600, help="validation texts per task")
-    parser.add_argument("--quick", action="store_true", help="80 texts a task; results not written")
+    parser.add_argument("--quick", action="store_true", help="80 texts a task")
+    parser.add_argument("--out", default="benchmarks/results/head_rows.json")
     args = parser.parse_args()
     texts = 80 if args.quick else args.texts
     model_path = resolve_model("gemma3-270m")
@@ -106,8 +108,7 @@ def main() -> None:
     for task in args.tasks:
         rows.append(measure(task, texts, model_path))
         print(rows[-1], flush=True)
-    if not args.quick:
-        write_result(RESULTS / "head_rows.json", {"model": "gemma3-270m", "rows": rows})
+    write_result(Path(args.out), {"model": "gemma3-270m", "texts": texts, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -84,6 +84,11 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
             "{out}/prompt_baseline.json",
         ],
     ),
+    "head_rows": (
+        ["head_rows.py", "--tasks", "zh-reviews", "en-tweets", "--texts", "500"]
+        + ["--out", "{out}/head_rows.json"],
+        ["head_rows.py", "--tasks", "en-tweets", "--quick", "--out", "{out}/head_rows.json"],
+    ),
     "lora_vs_tfidf": (
         ["lora_vs_tfidf.py", "--eval", "500", "--out", "{out}/lora_vs_tfidf.json"],
         ["lora_vs_tfidf.py", "--train", "64", "--eval", "32", "--out", "{out}/lora_vs_tfidf.json"],
