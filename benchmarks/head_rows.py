@@ -23,7 +23,7 @@ from common import write_result
 from sklearn.metrics import accuracy_score, f1_score
 
 from loracls.config import TrainConfig
-from loracls.data.prompts import Prompter, readable_words, resolve_prompt, verbalizer_tokens
+from loracls.data.prompts import Prompter, answer_tokens, part_on_first_token, readable_words, resolve_prompt
 from loracls.data.splits import load_splits
 from loracls.model import load_causal_lm, load_tokenizer, resolve_model
 from loracls.objective import label_log_probs
@@ -36,14 +36,6 @@ TASKS = {
     "en-tweets": ("en-tweets", "label", "en-sentiment", None),
     "banking77": (str(BANKING77), "category", "en-label", "readable"),
 }
-
-
-def split_tokens(tokens: list[list[int]]) -> tuple[int, list[list[int]]]:
-    """How many tokens every label's word starts with, and each word's tokens after them."""
-    shared = 0
-    while all(len(t) > shared + 1 and t[shared] == tokens[0][shared] for t in tokens):
-        shared += 1
-    return shared, [t[shared:] for t in tokens]
 
 
 def scores(y: np.ndarray, predicted: np.ndarray) -> dict:
@@ -60,18 +52,15 @@ def measure(task: str, texts_per_task: int, model_path: str) -> dict:
     verbalizers = words if words != "readable" else readable_words(labels)
     tokenizer, lm = load_tokenizer(model_path), load_causal_lm(model_path)
     prompt = resolve_prompt(labels, [], TrainConfig(prompt=template, verbalizers=verbalizers))
-    tokens = verbalizer_tokens(tokenizer, prompt)
-    ordered = [tokens[label] for label in labels]
-    shared, following = split_tokens(ordered)
-    prompter = Prompter(tokenizer, prompt, [], 64, ordered[0][:shared])
+    shared, following = answer_tokens(tokenizer, prompt, labels)
+    prompter = Prompter(tokenizer, prompt, [], 64, shared)
     table = splits.val
     gold = np.array([labels.index(x) for x in table["label"]])
     encoded = prompter.encode(list(table["text"]))
     weight = lm.get_output_embeddings().weight.detach().float()
-    first = [ids[0] for ids in following]
     rows = {"mean of all tokens": torch.stack([weight[ids].mean(0) for ids in following])}
-    if len(set(first)) == len(first):
-        rows["first token"] = weight[first]
+    if part_on_first_token(following):
+        rows["first token"] = weight[[ids[0] for ids in following]]
     started = time.perf_counter()
     hidden = []
     with torch.no_grad():
@@ -79,7 +68,7 @@ def measure(task: str, texts_per_task: int, model_path: str) -> dict:
             out = lm.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].float()
             hidden.append(out)
         hidden = torch.stack(hidden)
-        zero_shot = label_log_probs(lm, tokenizer, prompter.encode(list(table["text"])), following)
+        zero_shot = label_log_probs(lm, tokenizer, encoded, following)
     result = {
         "task": task,
         "labels": len(labels),

@@ -190,7 +190,7 @@ def test_label_descriptions_that_miss_a_label_or_name_an_unknown_one_are_refused
         read_descriptions(str(tmp_path / "absent.yaml"), list(DESCRIBED))
 
 
-def test_a_run_with_label_descriptions_scores_them_and_a_chosen_one_starts_the_head(tiny_models, tmp_path):
+def test_a_run_scores_its_label_descriptions_and_keeps_them_in_its_config(tiny_models, tmp_path):
     table = toy_reviews(90)
     data, described = tmp_path / "reviews.csv", tmp_path / "labels.yaml"
     table.to_csv(data, index=False)

@@ -24,7 +24,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
-from loracls.data.prompts import Prompt, Prompter, answer_tokens, resolve_prompt
+from loracls.data.prompts import Prompt, Prompter, answer_tokens, part_on_first_token, resolve_prompt
 from loracls.data.tokenization import tokenize_responses
 from loracls.errors import LoraclsError
 from loracls.model import from_pretrained, load_causal_lm, load_classifier
@@ -318,9 +318,8 @@ def label_rows(weight: torch.Tensor, following: list[list[int]]) -> torch.Tensor
     differ between all labels, so that step 0 ranks the labels as the zero-shot prompt ranks those tokens;
     where two labels' words begin alike (`card arrival`, `card linking`), the mean of the rows of all its
     tokens, so that they still start apart. benchmarks/head_rows.py measured both (`head_rows.json`)."""
-    first = [ids[0] for ids in following]
-    if len(set(first)) == len(first):
-        return weight[first].detach().float().cpu().clone()
+    if part_on_first_token(following):
+        return weight[[ids[0] for ids in following]].detach().float().cpu().clone()
     return torch.stack([weight[ids].float().mean(0) for ids in following]).detach().cpu().clone()
 
 

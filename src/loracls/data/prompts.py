@@ -348,6 +348,13 @@ def answer_tokens(
     return tokens[0][:shared], [t[shared:] for t in tokens]
 
 
+def part_on_first_token(following: list[list[int]]) -> bool:
+    """Whether each label's word, after the start the words share (`answer_tokens`), begins with a token no
+    other label's word begins with."""
+    first = [ids[0] for ids in following]
+    return len(set(first)) == len(first)
+
+
 @dataclass
 class Prompter:
     """Turns texts into prompt token ids, with the prompt and the shots fixed."""

@@ -31,6 +31,7 @@ from loracls.data.prompts import (
     candidate_prompts,
     format_verbalizers,
     language_note,
+    part_on_first_token,
     pin_prompt,
     resolve_prompt,
 )
@@ -426,8 +427,7 @@ def prompt_and_baseline(
             return stored, None
         pin_prompt(cfg, choice.prompt)
         if wants_rows and cfg.head_init == "auto":
-            following = answer_tokens(tokenizer, choice.prompt, splits.labels)[1]
-            apart = len({ids[0] for ids in following}) == len(following)
+            apart = part_on_first_token(answer_tokens(tokenizer, choice.prompt, splits.labels)[1])
             cfg.head_init = "verbalizer" if apart and choice.informative() else "zero"
             why = choice.informative_line() if apart else AUTO_NEEDS_APART
             console.print(f"head_init auto: {cfg.head_init} ({why})", soft_wrap=True)
@@ -441,7 +441,7 @@ def prompt_and_baseline(
             )
             console.print(baseline_line(baseline), soft_wrap=True)
         rows = None
-        if wants_rows and cfg.prompted:  # the LM head's rows of each label's token after the prompt
+        if wants_rows and cfg.prompted:  # the LM head's rows of each label's word after the prompt
             prompter = input_prompter(tokenizer, cfg, splits.labels)  # refuses words a head cannot read
             following = answer_tokens(tokenizer, prompter.prompt, splits.labels)[1]
             rows = label_rows(lm.get_output_embeddings().weight, following)
