@@ -57,6 +57,12 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
             "{out}/tt.json",
         ],
     ),
+    "compile_cpu": (
+        ["train_throughput.py", "--steps", "12", "--eval", "40", "--ways", "loracls,loracls-compile"]
+        + ["--out", "{out}/compile_cpu.json"],
+        ["train_throughput.py", "--steps", "2", "--eval", "16", "--ways", "loracls-compile"]
+        + ["--out", "{out}/compile_cpu.json"],
+    ),
     "demo": (
         ["demo.py", "--out", "{out}/demo.json", "--run-dir", DEMO_RUN],
         ["demo.py", "--out", "{out}/demo.json", "--run-dir", "{out}/demo-run"]

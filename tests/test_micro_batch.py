@@ -2,6 +2,7 @@
 one large batch does."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,10 +106,15 @@ def test_bf16_gradient_checkpointing_and_eager_attention_train(tmp_path, tiny_mo
 def test_compiled_layers_train_like_eager_ones(tmp_path, tiny_models, toy_csv):
     """The compiled run is a process of its own: `torch.compile` leaves process-wide state behind (its
     compile workers, the loaded kernels, dynamo's caches) that the rest of the suite should not run beside,
-    and a crash inside compiled code fails this test with its message instead of aborting the suite."""
+    and a crash inside compiled code fails this test with its message instead of aborting the suite. Its
+    kernels go to a cache of its own: inductor's cache in /tmp outlives a run, and a kernel that another
+    process cached under `ATEN_CPU_CAPABILITY=avx2` (scripts/as_avx2.sh) aborted a later plain run on
+    loading it (`free(): invalid pointer`, torch 2.13), which is what failed two CI runs."""
     reference, _ = one_step(tmp_path, tiny_models, toy_csv, "eager-run", micro_batch_size=8)
     options = step_options(tmp_path, tiny_models, toy_csv, "compiled", micro_batch_size=8, compile=True)
-    done = subprocess.run([sys.executable, "-c", TRAIN, json.dumps(options)], capture_output=True, text=True)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    command = [sys.executable, "-c", TRAIN, json.dumps(options)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert first_record(tmp_path / "compiled")["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
     assert (tmp_path / "compiled/best/adapter_model.safetensors").is_file()  # names unchanged by compiling
