@@ -132,8 +132,8 @@ class TrainConfig(PromptConfig):
     micro-batch keeps about the label mix of the data (single-label: per label; multi-label: per label set).
     A plain length sort gives label-skewed micro-batches where length goes with the label (zh-reviews:
     positive reviews are longer); balanced ones scored above the plain sort and tied or beat random batches
-    in every paired run of `benchmarks/README.md`, at more padding than a plain sort (1.2 vs 1.04 padded
-    tokens per real one on zh-reviews) and far less than random batches (3.0). False: a plain length sort
+    in every paired run of `benchmarks/README.md` ("Label-balanced length grouping"), at a little more
+    padding than a plain sort and far less than random batches. False: a plain length sort
     (transformers' `group_by_length`)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""

@@ -43,8 +43,8 @@ def cpu_has_fast_bf16(flags: set[str] | None = None) -> bool:
 
 def cpu_has_fast_int8(flags: set[str] | None = None, machine: str | None = None) -> bool:
     """int8 matmuls in hardware. On an x86 CPU without VNNI or AMX, `torch._int_mm` falls back to a slow
-    kernel: on an AVX2 CPU its matmuls ran at 0.013x fp32's speed and the int8 classifier at 0.059x
-    (benchmarks/README.md, "CPU precisions"). Other architectures are not measured and are not refused."""
+    kernel, many times slower than fp32 (measured on an AVX2 CPU: benchmarks/README.md, "CPU precisions").
+    Other architectures are not measured and are not refused."""
     flags = cpu_flags() if flags is None else flags
     machine = platform.machine() if machine is None else machine
     if machine.lower() not in ("x86_64", "amd64", "i386", "i686"):
@@ -58,8 +58,8 @@ def check_int8_cpu(flags: set[str] | None = None, machine: str | None = None) ->
         return
     raise LoraclsError(
         "--int8 needs int8 dot-product instructions (AVX-512-VNNI, AVX-VNNI or AMX), which this CPU lacks: "
-        "torch's int8 matmul then falls back to a slow kernel (on an AVX2 CPU the int8 classifier ran 17x "
-        'slower than fp32: benchmarks/README.md, "CPU precisions"). Drop --int8: fp32 is the fast path on '
+        "torch's int8 matmul then falls back to a slow kernel, many times slower than fp32 (measured on an "
+        'AVX2 CPU: benchmarks/README.md, "CPU precisions"). Drop --int8: fp32 is the fast path on '
         "this CPU. To run it anyway (e.g. to check an export you will serve elsewhere), set "
         f"{SLOW_CPU_OVERRIDE}=1."
     )
@@ -70,7 +70,7 @@ def emulated_bf16_warning(precision: str, device_type: str, flags: set[str] | No
     if precision != "bf16" or device_type != "cpu" or cpu_has_fast_bf16(flags):
         return None
     return (
-        "precision bf16 on a CPU without AVX-512-BF16 or AMX: bf16 is emulated there (on an AVX2 CPU the "
-        "classifier's forward pass ran 5.5x slower than in fp32, a bf16 matmul 200x: benchmarks/README.md, "
-        '"CPU precisions"); use --precision auto (fp32 on this CPU)'
+        "precision bf16 on a CPU without AVX-512-BF16 or AMX: bf16 is emulated there, several times slower "
+        'than fp32 (measured on an AVX2 CPU: benchmarks/README.md, "CPU precisions"); use --precision auto '
+        "(fp32 on this CPU)"
     )

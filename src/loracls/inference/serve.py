@@ -44,9 +44,8 @@ keep-alive client sending just after the signal is told to go, not reset."""
 
 CPU_PASS = 8
 """Texts per forward pass on a CPU. A CPU computes padding as it computes text and gains nothing from wider
-passes: on this project's 2-core machine (benchmarks/README.md, serve) 256 real reviews ran at 37 texts/s
-length-sorted in passes of 8 against 24 in passes of 32, and groups of 16 arriving texts at 28 texts/s in
-sorted passes of 4 against 15 in one padded pass."""
+passes: on this project's 2-core machine, length-sorted passes of 8 ran faster than passes of 32, and
+sorted passes of 4 faster than one padded pass of 16 arriving texts (benchmarks/README.md, "Serving")."""
 
 
 class ClassifyRequest(BaseModel):
