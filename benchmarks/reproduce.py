@@ -60,7 +60,7 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
     "compile_cpu": (
         ["train_throughput.py", "--steps", "12", "--eval", "40", "--ways", "loracls,loracls-compile"]
         + ["--out", "{out}/compile_cpu.json"],
-        ["train_throughput.py", "--steps", "2", "--eval", "16", "--ways", "loracls-compile"]
+        ["train_throughput.py", "--steps", "2", "--eval", "16", "--ways", "loracls,loracls-compile"]
         + ["--out", "{out}/compile_cpu.json"],
     ),
     "demo": (
