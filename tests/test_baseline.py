@@ -47,28 +47,45 @@ def brute_force(model, prompt: list[int], ids: list[int]) -> float:
     return sum(float(log_probs[len(prompt) - 1 + j, token]) for j, token in enumerate(ids))
 
 
-def test_label_log_probs_equal_a_brute_force_sum_over_tokens(llama):
-    model, tokenizer = llama
-    prompts = [[5, 9, 11, 30], [7, 8], [12, 13, 14, 15, 16, 17, 18], [40]]
-    # single-token, multi-token, and a multi-token label that shares a first token with another
-    tokens = [[20], [21, 22, 23], [21, 24]]
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gemma4", "gemma4mm"])
+def test_label_log_probs_equal_a_brute_force_sum_over_tokens(tiny_models, family):
+    model, tokenizer = load_causal_lm(str(tiny_models[family])), load_tokenizer(str(tiny_models[family]))
+    # prompts of different lengths in one padded batch, two of them past Gemma's sliding window of 8
+    prompts = [
+        [5, 9, 11, 30],
+        [7, 8],
+        [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23],
+        [40],
+        list(range(5, 19)),
+    ]
+    # single-token, multi-token, a multi-token label that shares a first token with another, and one that is
+    # the start of another (read from the longer one's row)
+    tokens = [[20], [21, 22, 23], [21, 24], [25, 26, 27, 28], [25, 26]]
     got = label_log_probs(model, tokenizer, prompts, tokens, batch_size=3)
     expected = np.array([[brute_force(model, p, ids) for ids in tokens] for p in prompts])
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
     assert (got < 0).all() and got[:, 1].min() < got[:, 0].max()
 
 
-def test_one_forward_pass_per_prompt_and_only_the_needed_logits(llama):
+def test_one_pass_reads_a_prompt_whatever_the_labels_and_short_rows_read_the_rest(llama):
     model, tokenizer = llama
     seen = []
-    hook = model.register_forward_hook(lambda m, args, out: seen.append(tuple(out.logits.shape)))
+    hook = model.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((kwargs["input_ids"].shape[1], tuple(out.logits.shape))),
+        with_kwargs=True,
+    )
     try:
         label_log_probs(model, tokenizer, [[5, 6, 7], [8, 9]], [[20], [21]], batch_size=1)
-        assert seen == [(1, 1, model.config.vocab_size)] * 2  # single-token labels: one position, one pass
+        # single-token labels: one pass per prompt, the logits of its last position only
+        assert seen == [(3, (1, 1, model.config.vocab_size)), (2, (1, 1, model.config.vocab_size))]
         seen.clear()
-        label_log_probs(model, tokenizer, [[5, 6, 7], [8, 9]], [[20], [21, 22, 23]], batch_size=1)
-        # the one-token label rides on the three-token label's sequence: still one pass per prompt
-        assert seen == [(1, 3, model.config.vocab_size)] * 2
+        many = [[20 + k, 60 + k, 80] for k in range(40)]  # 40 labels of 3 tokens, none a start of another
+        label_log_probs(model, tokenizer, [[5, 6, 7], [8, 9]], many, batch_size=2)
+        # one pass over both prompts, then the labels' later tokens as rows of 2 tokens on their cache (not
+        # the prompt again per label): 2 prompts x 40 rows x 2 positions in passes of at most 256 positions
+        assert seen[0] == (3, (2, 1, model.config.vocab_size))
+        assert [n for n, _ in seen[1:]] == [2] * len(seen[1:])
+        assert sum(shape[0] for _, shape in seen[1:]) == 2 * 40
     finally:
         hook.remove()
 

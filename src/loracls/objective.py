@@ -13,6 +13,7 @@ here and an entry in `OBJECTIVES`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -333,51 +334,112 @@ def label_log_probs(
 ) -> np.ndarray:
     """log P(verbaliser k | prompt i), summed over the verbaliser's tokens: shape (prompts, labels).
 
-    A verbaliser of n tokens is read from the sequence prompt + its first n - 1 tokens; a causal model gives
-    the same logits for the prompt's positions in any sequence that starts with it, so shorter verbalisers
-    ride along and a prompt costs one forward pass unless two multi-token verbalisers start differently.
-    Sequences run longest-first in right-padded batches, and the LM head is applied only at the positions
-    that predict a verbaliser token (`logits_to_keep`).
+    One forward pass reads each prompt, whatever the number of labels: every label's first token is scored
+    from the prompt's last position. A verbaliser of n > 1 tokens needs the logits after its first n - 1
+    tokens too: those run as short rows on the prompt's key/value cache (`Continuations`), so 77 labels of a
+    few words each cost a few tokens per label, not the prompt again per label. Prompts run longest-first in
+    left-padded batches with their own position ids, so that padding moves no real token's position.
     """
-    jobs: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = {}
-    longest_first = sorted(range(len(tokens)), key=lambda k: -len(tokens[k]))
-    for i, prompt in enumerate(prompts):
-        hosts: list[tuple[int, ...]] = []
-        for k in longest_first:
-            wanted = tuple(prompt + tokens[k][:-1])
-            host = next((h for h in hosts if h[: len(wanted)] == wanted), None)
-            if host is None:
-                host = wanted
-                hosts.append(host)
-            jobs.setdefault(host, []).append((i, k, len(prompt) - 1))
-    sequences = sorted(jobs, key=len, reverse=True)
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    later = Continuations.of(tokens)
+    firsts = torch.tensor([ids[0] for ids in tokens])
     scores = np.zeros((len(prompts), len(tokens)), dtype=np.float64)
-    for start in range(0, len(sequences), batch_size):
-        batch = sequences[start : start + batch_size]
-        width = len(batch[0])
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        width = len(prompts[batch[0]])
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        needed: list[list[tuple[int, int, int, int]]] = []  # (prompt, label, position, target token)
-        for row, seq in enumerate(batch):
-            input_ids[row, : len(seq)] = torch.tensor(seq)
-            attention_mask[row, : len(seq)] = 1
-            needed.append(
-                [(i, k, first + j, token) for i, k, first in jobs[seq] for j, token in enumerate(tokens[k])]
-            )
-        positions = sorted({p for row in needed for _, _, p, _ in row})
-        logits = model(
+        for row, i in enumerate(batch):
+            input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            attention_mask[row, width - len(prompts[i]) :] = 1
+        out = model(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            logits_to_keep=torch.tensor(positions, device=device),
-        ).logits
-        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        column = {p: c for c, p in enumerate(positions)}
-        for row, items in enumerate(needed):
-            for i, k, position, token in items:
-                scores[i, k] += float(log_probs[row, column[position], token])
+            position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0).to(device),
+            use_cache=bool(later.rows),
+            logits_to_keep=1,
+        )
+        scores[batch] += torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()[:, firsts].numpy()
+        if later.rows:
+            scores[batch] += later.score(model, out.cache, attention_mask.to(device))
     return scores
+
+
+@dataclass
+class Continuations:
+    """The rows that read the verbalisers' later tokens after a prompt, on the prompt's key/value cache: a
+    verbaliser of n > 1 tokens is read from the row of its first n - 1 tokens, or from a longer row that
+    starts with them (`card arrival` and `card` share one)."""
+
+    rows: list[tuple[int, ...]]
+    reads: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    """Per row: the positions, the tokens read there and the labels they count towards."""
+    labels: int
+    max_positions: int = 256
+    """Continuation positions per forward pass (each gives a vocabulary-wide row of logits)."""
+
+    def row_length(self, pair: tuple[int, int]) -> int:
+        """The length of a (prompt, row) pair's row."""
+        return len(self.rows[pair[1]])
+
+    @classmethod
+    def of(cls, tokens: list[list[int]]) -> Continuations:
+        rows: list[tuple[int, ...]] = []
+        reads: list[list[tuple[int, int, int]]] = []
+        for k in sorted(range(len(tokens)), key=lambda k: -len(tokens[k])):
+            wanted = tuple(tokens[k][:-1])
+            if not wanted:
+                continue
+            row = next((r for r, seq in enumerate(rows) if seq[: len(wanted)] == wanted), None)
+            if row is None:
+                rows.append(wanted)
+                reads.append([])
+                row = len(rows) - 1
+            reads[row] += [(j, token, k) for j, token in enumerate(tokens[k][1:])]
+        arrays = [tuple(np.array(column, dtype=np.int64) for column in zip(*r, strict=True)) for r in reads]
+        return cls(rows, arrays, len(tokens))
+
+    def score(self, model: torch.nn.Module, cache, attention_mask: torch.Tensor) -> np.ndarray:
+        """The later tokens' log-probabilities summed per label: shape (prompts of the batch, labels), read
+        on the batch's cache (left-padded prompts whose mask is `attention_mask`)."""
+        device = attention_mask.device
+        prompts = attention_mask.shape[0]
+        lengths = attention_mask.sum(1)
+        # rows of one length together, so that no pass pads a row or reads a position nobody needs
+        pairs = sorted(((i, r) for i in range(prompts) for r in range(len(self.rows))), key=self.row_length)
+        chunks: list[list[tuple[int, int]]] = []
+        for pair in pairs:
+            if (
+                chunks
+                and self.row_length(chunks[-1][0]) == self.row_length(pair)
+                and ((len(chunks[-1]) + 1) * self.row_length(pair) <= self.max_positions)
+            ):
+                chunks[-1].append(pair)
+            else:
+                chunks.append([pair])
+        scores = np.zeros((prompts, self.labels), dtype=np.float64)
+        for chunk in chunks:
+            which = torch.tensor([i for i, _ in chunk], device=device)
+            ids = torch.tensor([self.rows[r] for _, r in chunk], dtype=torch.long, device=device)
+            width = ids.shape[1]
+            chunk_cache = copy.deepcopy(cache)
+            chunk_cache.batch_select_indices(which)
+            logits = model(
+                input_ids=ids,
+                attention_mask=torch.cat([attention_mask[which], torch.ones_like(ids)], dim=1),
+                position_ids=(lengths[which][:, None] + torch.arange(width, device=device)[None, :]),
+                cache=chunk_cache,
+                use_cache=True,
+            ).logits
+            logits = logits.float()
+            normaliser = torch.logsumexp(logits, dim=-1)  # (rows, width): log_softmax without its copy
+            for n, (i, r) in enumerate(chunk):
+                positions, targets, labels = self.reads[r]
+                picked = logits[n, positions, targets] - normaliser[n, positions]
+                np.add.at(scores[i], labels, picked.cpu().numpy())
+        return scores
 
 
 OBJECTIVES: dict[str, type[ClassificationHead] | type[LanguageModel]] = {
