@@ -1,6 +1,9 @@
 """Reading labelled files (CSV, JSON Lines, Parquet, Excel, the built-in datasets): encodings, column checks
 and the rows that are refused."""
 
+import json
+import re
+
 import pandas as pd
 import pytest
 
@@ -23,15 +26,85 @@ def test_non_utf8_file_is_named(tmp_path):
         read_labelled(str(path), "text", "label")
 
 
-def test_empty_text_and_missing_label_rows_are_named(tmp_path):
+def test_every_bad_row_of_a_csv_is_reported_at_once_by_its_file_line(tmp_path):
+    """Empty texts were reported first and missing labels only once those were fixed, as 0-based row numbers,
+    and `''` and a missing cell both printed as nan: now every kind at once, by file line, as written."""
     path = tmp_path / "d.csv"
-    pd.DataFrame({"text": ["fine", " ", "ok"], "label": ["a", "b", "a"]}).to_csv(path, index=False)
-    with pytest.raises(
-        LoraclsError, match=r"empty or non-text 'text' in 1 row\(s\), first at data row\(s\) \[1\]"
-    ):
+    path.write_text('text,label\nfine,a\n,b\n"two\nlines",a\nno label\n"",\nok,a\n', encoding="utf-8")
+    with pytest.raises(LoraclsError) as refused:
         read_labelled(str(path), "text", "label")
-    pd.DataFrame({"text": ["fine", "bad", "ok"], "label": ["a", None, "a"]}).to_csv(path, index=False)
-    with pytest.raises(LoraclsError, match=r"missing label in 1 row"):
+    message = str(refused.value)
+    assert f"{path}: 3 row(s) cannot be used" in message
+    assert f"empty text in column 'text' in 2 row(s): line 3 of {path} (''), line 7 of {path} ('')" in message
+    assert (
+        f"missing label in column 'label' in 2 row(s): line 6 of {path} (missing), line 7 of {path} ('')"
+        in (message)
+    )
+
+
+def test_every_bad_row_of_a_jsonl_file_is_reported_by_its_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        {"text": "", "label": "a"},
+        None,
+        {"label": "b"},
+        {"text": "fine", "label": None},
+        {"text": 7, "label": "a"},
+        {"text": "fine too", "label": [1, 2]},
+        {"text": "  ", "label": "  "},
+    ]
+    path.write_text("\n".join("" if r is None else json.dumps(r) for r in lines) + "\n", encoding="utf-8")
+    with pytest.raises(LoraclsError) as refused:
+        read_labelled(str(path), "text", "label")
+    message = str(refused.value)
+    assert f"{path}: 6 row(s) cannot be used" in message
+    assert (
+        f"empty text in column 'text' in 3 row(s): line 1 of {path} (''), line 3 of {path} (missing), "
+        f"line 7 of {path} ('  ')"
+    ) in message
+    assert (
+        f"missing label in column 'label' in 2 row(s): line 4 of {path} (missing), line 7 of {path} ('  ')"
+        in (message)
+    )
+    assert f"text that is not a string in column 'text' in 1 row(s): line 5 of {path} (7)" in message
+    assert (
+        f"label that is not one string or number in column 'label' in 1 row(s): line 6 of {path} ([1, 2])"
+        in (message)
+    )
+
+
+def test_bad_multi_labels_and_responses_are_reported_with_the_empty_texts(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"text": "a", "label": "x,y", "answer": "fine"},
+        {"text": "", "label": "x", "answer": 3},
+        {"text": "b", "label": {"x": 1}, "answer": None},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with pytest.raises(LoraclsError) as refused:
+        read_labelled(str(path), "text", "label", separator=",", response_column="answer")
+    message = str(refused.value)
+    assert f"empty text in column 'text' in 1 row(s): line 2 of {path} ('')" in message
+    assert (
+        f"labels that are not strings or numbers in column 'label' in 1 row(s): line 3 of {path} ({{'x': 1}})"
+        in (message)
+    )
+    assert f"response that is not text in column 'answer' in 1 row(s): line 2 of {path} (3)" in message
+
+
+def test_more_than_five_bad_rows_of_a_kind_are_counted(tmp_path):
+    path = tmp_path / "d.csv"
+    pd.DataFrame({"text": ["ok"] + [" "] * 8, "label": ["a"] * 9}).to_csv(path, index=False)
+    with pytest.raises(LoraclsError, match=rf"line 7 of {re.escape(str(path))} \(' '\), and 3 more"):
+        read_labelled(str(path), "text", "label")
+
+
+def test_missing_columns_are_named_together(tmp_path):
+    path = tmp_path / "d.csv"
+    pd.DataFrame({"review": ["a"], "stars": [1]}).to_csv(path, index=False)
+    with pytest.raises(
+        LoraclsError, match=r"no text column 'text', no label column 'label'\. Columns present"
+    ):
         read_labelled(str(path), "text", "label")
 
 
