@@ -134,3 +134,14 @@ def test_whitespace_stripped_from_labels_is_noted(tmp_path):
     splits = load_splits(TrainConfig(data=str(path)))
     assert set(splits.labels) == {"negative", "pos"}
     assert any("stripped surrounding whitespace from label(s) [' pos']" in n for n in splits.notes)
+
+
+def test_a_non_utf8_file_gets_the_iconv_line_with_its_path_as_given(tmp_path, monkeypatch):
+    """The hint named the bare file (`waimai_gbk.csv`) though the user gave `data/waimai_gbk.csv`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "waimai_gbk.csv").write_bytes("text,label\n很好,1\n".encode("gbk"))
+    with pytest.raises(
+        LoraclsError, match=re.escape("`iconv -f GBK -t UTF-8 data/waimai_gbk.csv > fixed.csv`")
+    ):
+        read_labelled("data/waimai_gbk.csv", "text", "label")

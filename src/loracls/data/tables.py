@@ -11,6 +11,7 @@ import io
 import json
 import math
 import reprlib
+import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -98,7 +99,7 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as e:
         raise LoraclsError(
             f"{path} is not UTF-8 (tried utf-8; bad byte at offset {e.start}). Re-save it as UTF-8, "
-            f"e.g. `iconv -f GBK -t UTF-8 {path.name} > fixed{path.suffix}`."
+            f"e.g. `iconv -f GBK -t UTF-8 {shlex.quote(str(path))} > fixed{path.suffix}`."
         ) from None
 
 
