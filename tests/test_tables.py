@@ -1,8 +1,11 @@
 """Reading labelled files (CSV, JSON Lines, Parquet, Excel, the built-in datasets): encodings, column checks
 and the rows that are refused."""
 
+import gzip
 import json
 import re
+import sys
+import zipfile
 
 import pandas as pd
 import pytest
@@ -140,8 +143,76 @@ def test_a_non_utf8_file_gets_the_iconv_line_with_its_path_as_given(tmp_path, mo
     """The hint named the bare file (`waimai_gbk.csv`) though the user gave `data/waimai_gbk.csv`."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "waimai_gbk.csv").write_bytes("text,label\n很好,1\n".encode("gbk"))
+    gbk = "text,label\n很好,1\n".encode("gbk")
+    (tmp_path / "data" / "waimai_gbk.csv").write_bytes(gbk)
     with pytest.raises(
         LoraclsError, match=re.escape("`iconv -f GBK -t UTF-8 data/waimai_gbk.csv > fixed.csv`")
     ):
         read_labelled("data/waimai_gbk.csv", "text", "label")
+    (tmp_path / "data" / "waimai_gbk.csv.gz").write_bytes(gzip.compress(gbk))
+    with pytest.raises(
+        LoraclsError, match=re.escape("`gzip -dc data/waimai_gbk.csv.gz | iconv -f GBK -t UTF-8 > fixed.csv`")
+    ):
+        read_labelled("data/waimai_gbk.csv.gz", "text", "label")
+
+
+def test_an_excel_file_is_read_with_its_sheet_rows_named(tmp_path):
+    path = tmp_path / "reviews.xlsx"
+    table = toy_reviews(60)
+    table.to_excel(path, index=False)
+    splits = load_splits(TrainConfig(data=str(path)))
+    assert splits.labels == ["negative", "positive"]
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 60
+    table.loc[4, "text"] = None  # an empty cell in sheet row 6 (row 1 holds the header)
+    table["label"] = [i % 2 for i in range(60)]  # numbers in the sheet, read as the labels 0 and 1
+    table.to_excel(path, index=False)
+    with pytest.raises(
+        LoraclsError, match=re.escape(f"empty text in column 'text' in 1 row(s): row 6 of {path} (missing)")
+    ):
+        read_labelled(str(path), "text", "label")
+    table.loc[4, "text"] = "filled"
+    table.to_excel(path, index=False)
+    assert list(read_labelled(str(path), "text", "label")["label"]) == [str(i % 2) for i in range(60)]
+
+
+@pytest.mark.parametrize("name", ["d.csv.gz", "d.tsv.bz2", "d.jsonl.xz", "d.csv.zip", "d.json.gz"])
+def test_compressed_files_are_read_as_their_suffix_says(tmp_path, name):
+    path = tmp_path / name
+    table = toy_reviews(60)
+    if ".json" in name:
+        table.to_json(path, orient="records", lines=".jsonl" in name, force_ascii=False)
+    else:
+        table.to_csv(path, index=False, sep="\t" if ".tsv" in name else ",")
+    read = read_labelled(str(path), "text", "label")
+    assert list(read["text"]) == list(table["text"]) and list(read["label"]) == list(table["label"])
+    splits = load_splits(TrainConfig(data=str(path)))
+    assert len(splits.train) + len(splits.val) + len(splits.test) == 60
+
+
+def test_a_zip_named_for_nothing_is_read_as_the_file_it_holds(tmp_path):
+    path = tmp_path / "download.zip"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("reviews.tsv", toy_reviews(20).to_csv(index=False, sep="\t"))
+    assert list(read_labelled(str(path), "text", "label")["text"]) == list(toy_reviews(20)["text"])
+    with zipfile.ZipFile(path, "a") as archive:
+        archive.writestr("other.csv", "text,label\n")
+    with pytest.raises(
+        LoraclsError,
+        match=r"download.zip could not be read as a zip file: it holds 2 files \(reviews.tsv, other.csv\)",
+    ):
+        read_labelled(str(path), "text", "label")
+    named = path.rename(path.with_name("download.csv.zip"))  # the name says csv: read when decompressed
+    with pytest.raises(LoraclsError, match=r"download.csv.zip could not be decompressed as .zip: it holds 2"):
+        read_labelled(str(named), "text", "label")
+
+
+def test_excel_without_openpyxl_says_how_to_install_it(tmp_path, monkeypatch):
+    path = tmp_path / "reviews.xlsx"
+    toy_reviews(10).to_excel(path, index=False)
+    monkeypatch.setitem(
+        sys.modules, "openpyxl", None
+    )  # `import openpyxl` now fails as if it were not installed
+    with pytest.raises(
+        LoraclsError, match=re.escape(f"{path}: reading Excel needs openpyxl: pip install 'loracls[excel]'")
+    ):
+        read_labelled(str(path), "text", "label")

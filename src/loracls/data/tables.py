@@ -1,17 +1,22 @@
-"""A labelled file (CSV, TSV, JSON Lines, JSON, Parquet) or a built-in dataset read into a table with `id`,
-`text`, `label` (and `response`), refusing at once every row a run could not use, each by its line in the
-file.
+"""A labelled file (CSV, TSV, JSON Lines, JSON, Parquet, Excel; the text formats also compressed) or a
+built-in dataset read into a table with `id`, `text`, `label` (and `response`), refusing at once every row a
+run could not use, each by its line in the file.
 """
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import importlib.util
 import io
 import json
+import lzma
 import math
 import reprlib
 import shlex
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -29,10 +34,27 @@ READERS = {
     ".jsonl": "json",
     ".json": "json",
     ".parquet": "parquet",
+    ".xlsx": "excel",
 }
 """The reader of each file suffix."""
 
 
+def unzip(data: bytes) -> bytes:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return archive.read(zip_member(archive))
+
+
+COMPRESSIONS: dict[str, tuple[Callable[[bytes], bytes], str]] = {
+    ".gz": (gzip.decompress, "gzip -dc"),
+    ".bz2": (bz2.decompress, "bzip2 -dc"),
+    ".xz": (lzma.decompress, "xz -dc"),
+    ".zip": (unzip, "unzip -p"),
+}
+"""The compressions of a text file (CSV, TSV, JSON Lines, JSON), by suffix as pandas infers them: how to
+decompress one, and the shell command that does."""
+DECOMPRESSION_ERRORS = (OSError, EOFError, ValueError, RuntimeError, lzma.LZMAError, zipfile.BadZipFile)
+"""What a damaged or truncated archive raises; RuntimeError: an encrypted zip, or one packed by a method
+zipfile lacks (NotImplementedError)."""
 MAX_SHOWN = 5
 """Bad rows of one kind named in an error; the rest are counted."""
 
@@ -45,7 +67,7 @@ def read_labelled(
     response_column: str | None = None,
     notes: list[str] | None = None,
 ) -> pd.DataFrame:
-    """A table with `id`, `text`, `label` from a built-in name or a data file (`READERS`).
+    """A table with `id`, `text`, `label` from a built-in name or a data file (`READERS`, `COMPRESSIONS`).
 
     With `separator` (multi-label), each label becomes a sorted tuple of names: from a JSON list, or from a
     string split at `separator`; an empty cell is an empty tuple (no label applies). With `response_column`,
@@ -69,16 +91,45 @@ def read_labelled(
     return table
 
 
+def file_format(path: Path) -> tuple[str, str | None]:
+    """The format suffix (`.csv`) and the compression suffix (`.gz`, or None) of a data file.
+
+    A `.zip` whose name has no format suffix (`download.zip`) takes the suffix of the one file it holds.
+    """
+    name = path.name.lower()
+    compression = next((c for c in COMPRESSIONS if name.endswith(c)), None)
+    suffix = Path(name.removesuffix(compression or "")).suffix
+    if compression == ".zip" and suffix not in READERS:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                suffix = Path(zip_member(archive)).suffix.lower()
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise LoraclsError(f"{path} could not be read as a zip file: {e}") from None
+    return suffix, compression
+
+
+def zip_member(archive: zipfile.ZipFile) -> str:
+    """The one data file a zip holds (macOS's `__MACOSX/` entries and folders left out)."""
+    names = [n for n in archive.namelist() if not n.endswith("/") and not n.startswith("__MACOSX/")]
+    if len(names) != 1:
+        raise ValueError(
+            f"it holds {len(names)} files ({', '.join(names[:5])}); a data zip holds exactly one, as "
+            "pandas reads it"
+        )
+    return names[0]
+
+
 def read_table(path: Path) -> pd.DataFrame:
     """A data file's rows as a table; its index says where each row is in the file (`row_place`)."""
     if not path.is_file():
         known = ", ".join(BUILTIN_DATASETS)
         raise LoraclsError(f"Data file not found: {path} (built-in datasets: {known})")
-    suffix = path.suffix.lower()
+    suffix, compression = file_format(path)
     kind = READERS.get(suffix)
-    if kind is None:
+    if kind is None or (compression and kind in ("parquet", "excel")):
         raise LoraclsError(
-            f"{path}: unsupported file type '{path.suffix}'; use .csv, .tsv, .jsonl or .parquet"
+            f"{path}: unsupported file type '{suffix}{compression or ''}'; use {', '.join(READERS)}, the "
+            f"text formats also compressed ({', '.join(COMPRESSIONS)})"
         )
     if kind == "parquet":
         try:
@@ -86,20 +137,32 @@ def read_table(path: Path) -> pd.DataFrame:
         except (ValueError, OSError) as e:  # pyarrow's errors derive from these
             raise LoraclsError(f"{path} could not be read as Parquet: {e}") from None
         return frame.reset_index(drop=True).rename_axis("record")
-    text = read_text(path)
+    if kind == "excel":
+        return read_excel(path)
+    text = read_text(path, suffix, compression)
     if kind == "json":
         return read_json_records(text, path, lines=suffix == ".jsonl")
     return read_csv(text, path, sep="\t" if suffix == ".tsv" else ",")
 
 
-def read_text(path: Path) -> str:
-    """A text file's content; refused unless it is UTF-8 (a byte-order mark is dropped)."""
+def read_text(path: Path, suffix: str, compression: str | None) -> str:
+    """A text file's content, decompressed; refused unless it is UTF-8 (a byte-order mark is dropped)."""
+    data = path.read_bytes()
+    if compression:
+        try:
+            data = COMPRESSIONS[compression][0](data)
+        except DECOMPRESSION_ERRORS as e:
+            raise LoraclsError(f"{path} could not be decompressed as {compression}: {e}") from None
     try:
-        return path.read_bytes().decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        given = shlex.quote(str(path))
+        fix = f"iconv -f GBK -t UTF-8 {given} > fixed{suffix}"
+        if compression:
+            fix = f"{COMPRESSIONS[compression][1]} {given} | iconv -f GBK -t UTF-8 > fixed{suffix}"
         raise LoraclsError(
-            f"{path} is not UTF-8 (tried utf-8; bad byte at offset {e.start}). Re-save it as UTF-8, "
-            f"e.g. `iconv -f GBK -t UTF-8 {shlex.quote(str(path))} > fixed{path.suffix}`."
+            f"{path} is not UTF-8 (tried utf-8; bad byte at offset {e.start}"
+            f"{' of the decompressed text' if compression else ''}). Re-save it as UTF-8, e.g. `{fix}`."
         ) from None
 
 
@@ -134,6 +197,18 @@ def csv_records(text: str, sep: str) -> list[tuple[int, int]] | None:
     except csv.Error:
         return None
     return records
+
+
+def read_excel(path: Path) -> pd.DataFrame:
+    """The first sheet of an Excel workbook, cells as typed (numbers stay numbers); an empty cell is missing.
+    Indexed by sheet row (row 1 holds the header)."""
+    try:
+        frame = pd.read_excel(path, engine="openpyxl", keep_default_na=False, na_values=[""])
+    except ImportError:  # pandas' import of openpyxl
+        raise LoraclsError(f"{path}: reading Excel needs openpyxl: pip install 'loracls[excel]'") from None
+    except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:
+        raise LoraclsError(f"{path} could not be read as an Excel workbook (.xlsx): {e}") from None
+    return frame.set_axis(pd.RangeIndex(2, len(frame) + 2, name="row"))
 
 
 def read_json_records(text: str, path: Path, lines: bool) -> pd.DataFrame:
@@ -173,10 +248,10 @@ def read_json_records(text: str, path: Path, lines: bool) -> pd.DataFrame:
 
 
 def row_place(index: pd.Index, position: int, path: Path) -> str:
-    """Where a table's row is in its file: `line 7 of FILE` (CSV, TSV, JSON Lines), or the 0-based position
-    of a record (JSON list, Parquet)."""
+    """Where a table's row is in its file: `line 7 of FILE` (CSV, TSV, JSON Lines), `row 7 of FILE` (an
+    Excel sheet), or the 0-based position of a record (JSON list, Parquet)."""
     where = index[position]
-    if index.name == "line":
+    if index.name in ("line", "row"):
         return f"{index.name} {where} of {path}"
     return f"{index.name or 'record'} {position} (0-based) of {path}"
 
