@@ -6,13 +6,14 @@ import json
 import re
 import sys
 import zipfile
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from loracls.config import TrainConfig
+from loracls.config import TrainConfig, field_docs
 from loracls.data.splits import load_splits
-from loracls.data.tables import read_labelled
+from loracls.data.tables import COMPRESSIONS, READERS, read_labelled
 from loracls.errors import LoraclsError
 from tests.conftest import toy_reviews
 
@@ -216,3 +217,12 @@ def test_excel_without_openpyxl_says_how_to_install_it(tmp_path, monkeypatch):
         LoraclsError, match=re.escape(f"{path}: reading Excel needs openpyxl: pip install 'loracls[excel]'")
     ):
         read_labelled(str(path), "text", "label")
+
+
+def test_every_file_format_is_listed_where_data_is_explained():
+    """`--data`'s help (TrainConfig.data's docstring) said "CSV, JSONL or Parquet" though TSV was read too."""
+    help_text = field_docs()["data"]
+    guide = (Path(__file__).parents[1] / "docs" / "data.md").read_text(encoding="utf-8")
+    for suffix in [*READERS, *COMPRESSIONS]:
+        assert f"`{suffix}`" in help_text and f"`{suffix}`" in guide, suffix
+    assert "pip install 'loracls[excel]'" in guide
