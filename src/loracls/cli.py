@@ -281,9 +281,9 @@ def data_inspect(
         )
         tokenizer = None
         if model:
-            from loracls.model import load_tokenizer, resolve_model
+            from loracls.model import load_tokenizer_for
 
-            tokenizer = load_tokenizer(resolve_model(model))
+            tokenizer = load_tokenizer_for(model)  # a GGUF model is not converted just to count tokens
         report = inspect_data(cfg, tokenizer)
     except LoraclsError as e:
         fail(e)
