@@ -7,6 +7,7 @@ import random
 import string
 from pathlib import Path
 
+import gguf
 import pandas as pd
 import pytest
 import torch
@@ -142,6 +143,33 @@ def gemma4_text_config(vocab: int) -> Gemma4TextConfig:
         layer_types=["sliding_attention", "full_attention"],
         **WIDTH,
     )
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A GGUF file as llama.cpp writes a Llama model, but holding only its metadata and tokenizer (one token
+    per lower-case letter, SentencePiece style, `<unk>` `<s>` `</s>`) and no weights: transformers builds the
+    tokenizer from it; a conversion (`model.convert_gguf`) would find nothing to convert."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", *string.ascii_lowercase]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))  # unknown, control, control, normal...
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 FAMILIES = ("gemma3", "gemma4", "gemma4mm", "llama", "qwen3")

@@ -152,8 +152,14 @@ def bad_inputs(tmp: Path, good: Path) -> dict[str, tuple[list, str]]:
             ["--data", good, "--text-column", "txt"],
             "no text column 'txt'. Columns present",
         ),
-        "empty text": (["--data", csv("blank.csv", blank)], "empty or non-text 'text' in 1 row(s)"),
-        "missing label": (["--data", csv("unlabelled.csv", unlabelled)], "missing label in 1 row(s)"),
+        "empty text": (
+            ["--data", csv("blank.csv", blank)],
+            f"empty text in column 'text' in 1 row(s): line 5 of {tmp / 'blank.csv'}",
+        ),
+        "missing label": (
+            ["--data", csv("unlabelled.csv", unlabelled)],
+            f"missing label in column 'label' in 1 row(s): line 7 of {tmp / 'unlabelled.csv'} ('')",
+        ),
         "label unseen in train": (["--data", good, "--test", csv("neutral.csv", neutral)], "['neutral']"),
         "one class": (["--data", csv("one.csv", frame.assign(label="x"))], "only one class"),
         "rare class": (

@@ -1,15 +1,15 @@
 """`loracls data inspect`: what it reports of a data set before training."""
 
+import json
+
 import pandas as pd
 
+from loracls import model
+from tests.conftest import invoke, write_tiny_gguf
 from tests.test_labels import case_variant_csv
 
 
 def test_inspect_reports_duplicates_leakage_rare_labels_and_lengths(tmp_path, tiny_models):
-    import json
-
-    from tests.conftest import invoke
-
     train = pd.DataFrame(
         {
             "text": ["good book", "good book", "bad plot", "bad plot", "fine", "long " * 40],
@@ -39,10 +39,6 @@ def test_inspect_reports_duplicates_leakage_rare_labels_and_lengths(tmp_path, ti
 
 
 def test_inspect_reports_labels_that_differ_only_in_case(tmp_path):
-    import json
-
-    from tests.conftest import invoke
-
     data = tmp_path / "mixed.csv"
     case_variant_csv(data)
     result = invoke("data", "inspect", data, "--json")
@@ -50,3 +46,23 @@ def test_inspect_reports_labels_that_differ_only_in_case(tmp_path):
     findings = "\n".join(json.loads(result.stdout)["findings"])
     assert "'Positive' (20 rows) and 'positive' (40 rows) differ only in case" in findings
     assert "surrounding whitespace" in findings
+
+
+def test_inspect_counts_tokens_of_a_packaged_gguf_model_without_converting_it(tmp_path, monkeypatch):
+    """With an empty cache, `data inspect --model gemma3-270m` converted the whole model (a minute, a gigabyte
+    of float32 weights on disk) to count tokens: the tokenizer inside the GGUF file is enough."""
+    monkeypatch.setenv("LORACLS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model, "packaged_gguf", lambda alias: write_tiny_gguf(tmp_path / "gemma.gguf"))
+
+    def convert_gguf(*args):
+        raise AssertionError("the model was converted to count tokens")
+
+    monkeypatch.setattr(model, "convert_gguf", convert_gguf)
+    data = tmp_path / "d.csv"
+    pd.DataFrame({"text": ["hello world", "abc", "hi"], "label": ["a", "b", "a"]}).to_csv(data, index=False)
+    result = invoke("data", "inspect", data, "--model", "gemma3-270m", "--max-length", "8", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)["splits"]["data"]
+    # <s>, then one token per letter, each word after a "\u2581": 13 for "hello world", 5 for "abc"
+    assert report["tokens"] == {"p50": 5, "max": 13} and report["truncated_share"] == 1 / 3
+    assert not (tmp_path / "cache" / "models").exists()

@@ -9,12 +9,14 @@ from loracls.errors import LoraclsError
 from loracls.model import (
     fix_tokenizer,
     generic_classifier_class,
+    gguf_model,
     load_classifier,
     load_tokenizer,
+    load_tokenizer_for,
     quantized_compute_dtype,
     resolve_model,
 )
-from tests.conftest import FAMILIES, char_tokenizer, invoke
+from tests.conftest import FAMILIES, char_tokenizer, invoke, write_tiny_gguf
 
 LABELS = ["negative", "positive"]
 
@@ -112,6 +114,25 @@ def test_model_resolution_errors(tmp_path):
     with pytest.raises(LoraclsError, match="Model not found"):
         resolve_model("./no/such/model")
     assert resolve_model("org/name") == "org/name"  # a hub id is passed through to from_pretrained
+
+
+def test_a_gguf_models_tokenizer_is_read_from_the_file_and_cached_until_a_conversion_is(
+    tmp_path, monkeypatch, tiny_models
+):
+    monkeypatch.setenv("LORACLS_CACHE", str(tmp_path / "cache"))
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    from_file = load_tokenizer_for(path)
+    assert len(from_file) == 30 and from_file.pad_token == from_file.eos_token == "</s>"  # fix_tokenizer's
+    assert from_file("ab")["input_ids"] == [1, 3, 4, 5]  # <s>, the word mark, a, b
+    assert not (tmp_path / "cache" / "models").exists()
+
+    def read_again(source):
+        raise AssertionError("the GGUF file was read again")
+
+    monkeypatch.setattr("loracls.model.gguf_tokenizer", read_again)
+    assert load_tokenizer_for(path).get_vocab() == from_file.get_vocab()  # from the cached tokenizer
+    shutil.copytree(tiny_models["llama"], gguf_model(path)[1])  # as a finished conversion leaves its folder
+    assert load_tokenizer_for(path).get_vocab() == load_tokenizer(str(tiny_models["llama"])).get_vocab()
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4mm"])

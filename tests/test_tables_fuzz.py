@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import io
 import json
+import lzma
 import tempfile
+import zipfile
 from pathlib import Path
 
 import pandas as pd
@@ -96,9 +100,42 @@ def test_any_json_loads_or_raises_our_error(records, broken, encoding, suffix):
 
 
 @SETTINGS
-@given(data=st.binary(max_size=200), suffix=st.sampled_from([".csv", ".tsv", ".jsonl", ".json", ".parquet"]))
+@given(
+    data=st.binary(max_size=200),
+    suffix=st.sampled_from(
+        [
+            ".csv",
+            ".tsv",
+            ".jsonl",
+            ".json",
+            ".parquet",
+            ".xlsx",
+            ".csv.gz",
+            ".jsonl.bz2",
+            ".tsv.xz",
+            ".zip",
+            ".csv.zip",
+        ]
+    ),
+)
 def test_any_bytes_load_or_raise_our_error(data, suffix):
     check(write(data, suffix))
+
+
+@SETTINGS
+@given(data=st.binary(max_size=200), suffix=st.sampled_from([".csv.gz", ".jsonl.bz2", ".tsv.xz", ".csv.zip"]))
+def test_any_compressed_bytes_load_or_raise_our_error(data, suffix):
+    """Bytes that decompress, holding anything: as `test_any_bytes_load_or_raise_our_error` once unpacked."""
+    check(write(compress(data, suffix), suffix))
+
+
+def compress(data: bytes, suffix: str) -> bytes:
+    if suffix.endswith(".zip"):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr("data" + suffix.removesuffix(".zip"), data)
+        return buffer.getvalue()
+    return {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[Path(suffix).suffix](data)
 
 
 def test_a_valid_file_round_trips(tmp_path):

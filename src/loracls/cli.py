@@ -202,7 +202,9 @@ def evaluate(
 def predict(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
-    input: Annotated[Path | None, typer.Option("--input", help="CSV/JSONL/Parquet file of texts")] = None,
+    input: Annotated[
+        Path | None, typer.Option("--input", help="A file of texts, in any format --data reads")
+    ] = None,
     output: Annotated[Path | None, typer.Option("--output", help="Write .jsonl or .csv here")] = None,
     text_column: Annotated[str | None, typer.Option(help="Text column of --input")] = None,
     generate: Annotated[
@@ -279,9 +281,9 @@ def data_inspect(
         )
         tokenizer = None
         if model:
-            from loracls.model import load_tokenizer, resolve_model
+            from loracls.model import load_tokenizer_for
 
-            tokenizer = load_tokenizer(resolve_model(model))
+            tokenizer = load_tokenizer_for(model)  # a GGUF model is not converted just to count tokens
         report = inspect_data(cfg, tokenizer)
     except LoraclsError as e:
         fail(e)

@@ -64,11 +64,14 @@ class TrainConfig(PromptConfig):
     """Base model: an alias (`gemma3-270m`), a local Hugging Face model folder, a `.gguf` file, or a hub id
     that is already in the local hub cache."""
     data: str = "zh-reviews"
-    """Training data: a CSV, JSONL or Parquet file, or a built-in dataset (`zh-reviews`, `en-tweets`)."""
+    """Training data: a file (`.csv`, `.tsv`, `.jsonl`, `.json`, `.parquet`, or `.xlsx`: the first sheet,
+    with `pip install 'loracls[excel]'`; CSV, TSV and JSON also compressed: `.gz`, `.bz2`, `.xz`, `.zip`,
+    as in `train.csv.gz`), or a built-in dataset (`zh-reviews`, `en-tweets`)."""
     val: str | None = None
-    """Validation file; when unset, a stratified `val_fraction` of `data` is held out."""
+    """Validation file (any format `data` reads); when unset, a stratified `val_fraction` of `data` is held
+    out."""
     test: str | None = None
-    """Test file; when unset, a stratified `test_fraction` of `data` is held out."""
+    """Test file (any format `data` reads); when unset, a stratified `test_fraction` of `data` is held out."""
     text_column: str = "text"
     """Column holding the text to classify."""
     label_column: str = "label"

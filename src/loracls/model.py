@@ -44,18 +44,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loracls"
 
 
+def gguf_model(name: str) -> tuple[Callable[[], Path], Path] | None:
+    """For an alias or a `.gguf` file: what gives the GGUF file (assembling a packaged one), and the cache
+    folder it converts into; None for any other model name."""
+    if name in MODEL_ALIASES:
+        return (lambda: packaged_gguf(name)), cache_dir() / "models" / name
+    path = Path(name).expanduser()
+    if path.suffix != ".gguf":
+        return None
+    if not path.is_file():
+        raise LoraclsError(f"GGUF file not found: {path}")
+    digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
+    return (lambda: path), cache_dir() / "models" / f"{path.stem}-{digest.hexdigest()[:12]}"
+
+
 def resolve_model(name: str) -> str:
     """A path or hub id that `from_pretrained` can load; GGUF models are converted once into the cache."""
-    if name in MODEL_ALIASES:
-        return str(convert_gguf(lambda: packaged_gguf(name), cache_dir() / "models" / name))
+    gguf = gguf_model(name)
+    if gguf is not None:
+        return str(convert_gguf(*gguf))
     path = Path(name).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise LoraclsError(f"GGUF file not found: {path}")
-        digest = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode())
-        return str(
-            convert_gguf(lambda: path, cache_dir() / "models" / f"{path.stem}-{digest.hexdigest()[:12]}")
-        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise LoraclsError(f"{path} is a folder but has no config.json: not a Hugging Face model folder")
@@ -84,6 +92,33 @@ def packaged_gguf(alias: str) -> Path:
         return package.assemble(target, overwrite=True)
 
 
+def load_tokenizer_for(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model `name` (as `resolve_model` takes it), without converting a GGUF model,
+    for what needs only tokens (`loracls data inspect --model`).
+
+    A GGUF model's tokenizer comes from its converted folder once that exists; until then it is read from
+    the GGUF file's metadata and cached alone, in `tokenizers/` of the cache. The conversion reads the same
+    tokenizer, then de-quantises every weight and writes them (about a gigabyte of float32 for Gemma 3 270M).
+    """
+    gguf = gguf_model(name)
+    if gguf is None:
+        return load_tokenizer(resolve_model(name), trust_remote_code)
+    source, converted = gguf
+    if (converted / "config.json").is_file():
+        return load_tokenizer(str(converted), trust_remote_code)
+    folder, _ = build_once(
+        cache_dir() / "tokenizers" / converted.name,
+        lambda folder: gguf_tokenizer(source()).save_pretrained(folder),
+        complete="tokenizer_config.json",
+    )
+    return load_tokenizer(str(folder), trust_remote_code)
+
+
+def gguf_tokenizer(source: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in a GGUF file's metadata (transformers rebuilds it; no weight is read)."""
+    return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+
+
 def convert_gguf(gguf: Callable[[], Path], target: Path) -> Path:
     """De-quantise a GGUF model once into `target` (safetensors + tokenizer) so later loads take seconds.
 
@@ -95,7 +130,7 @@ def convert_gguf(gguf: Callable[[], Path], target: Path) -> Path:
     def build(folder: Path) -> None:
         source = gguf()
         console.print(f"[bold]Converting {source.name} once into {target}[/] (about a minute on 2 CPU cores)")
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        tokenizer = gguf_tokenizer(source)
         model = AutoModelForCausalLM.from_pretrained(
             source.parent, gguf_file=source.name, dtype=torch.float32
         )
