@@ -3,6 +3,7 @@
 import pandas as pd
 
 from loracls.config import TrainConfig
+from loracls.data.labels import labels_line
 from loracls.data.splits import load_splits
 from tests.conftest import toy_reviews
 
@@ -86,3 +87,12 @@ def test_integer_labels_come_back_as_integers(tiny_models, tmp_path):
     csv = tmp_path / "predictions.csv"
     assert invoke("predict", out, "good story", "awful plot", "--output", csv).exit_code == 0
     assert pd.read_csv(csv)["label"].isin([0, 1]).all()
+
+
+def test_many_labels_are_shown_as_the_first_few_and_a_count():
+    few = [f"l{n}" for n in range(10)]
+    assert labels_line(few) == f"labels {few}"
+    many = [f"intent_{n}" for n in range(77)]
+    line = labels_line(many)
+    assert line.startswith("77 labels: 'intent_0', 'intent_1'") and "'intent_7' and 69 more" in line
+    assert "intent_8" not in line and len(line) < 200

@@ -132,3 +132,12 @@ def sort_labels(values) -> list[str]:
         return sorted(values, key=int)
     except ValueError:
         return sorted(values)
+
+
+def labels_line(labels: list[str], shown: int = 8) -> str:
+    """The labels as one short console phrase: all of them up to `shown + 2`, else the first `shown` and how
+    many more (77 intents would fill a screen; RUN/labels.json lists them all)."""
+    if len(labels) <= shown + 2:
+        return f"labels {labels}"
+    first = ", ".join(repr(label) for label in labels[:shown])
+    return f"{len(labels)} labels: {first} and {len(labels) - shown} more (all in RUN/labels.json)"

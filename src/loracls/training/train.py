@@ -23,6 +23,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
 from loracls.console import console
+from loracls.data.labels import labels_line
 from loracls.data.prompts import parse_verbalizers, read_descriptions
 from loracls.data.splits import Splits, load_splits
 from loracls.data.tokenization import tokenize, truncated_share
@@ -134,7 +135,7 @@ def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
             console.print(f"[dim]data: {note}[/]")
         console.print(
             f"data: {len(splits.train)} train / {len(splits.val)} val / {len(splits.test)} test, "
-            f"labels {splits.labels}"
+            f"{labels_line(splits.labels)}"
         )
         parse_verbalizers(cfg.verbalizers, splits.labels)  # refused before a run folder exists
         cfg.label_descriptions = read_descriptions(cfg.label_descriptions, splits.labels)  # config.yaml: them
