@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loracls.cli_options import config_options
+from loracls.cli_options import HelpCommand, config_options
 from loracls.config import PromptConfig, TrainConfig, parse_overrides
 from loracls.console import confusion_table, int8_line, per_class_table
 from loracls.errors import LoraclsError
@@ -20,6 +20,7 @@ app = typer.Typer(
     help="Fine-tune a small decoder-only LM as a text classifier with LoRA.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help that fits the terminal (`HelpCommand`)
 )
 console = Console()
 
@@ -69,7 +70,7 @@ def fail(error: LoraclsError) -> None:
     raise typer.Exit(getattr(error, "exit_code", 2))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @config_options
 def train(
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value config overrides")] = None,
@@ -126,7 +127,7 @@ def train(
     console.print(f"run folder: {run.path}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @config_options(
     only=PromptConfig,
     names={
@@ -176,7 +177,7 @@ def baseline(
     )
 
 
-@app.command("eval")
+@app.command("eval", cls=HelpCommand)
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
@@ -198,7 +199,7 @@ def evaluate(
     console.print(f"written to {out}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def predict(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
@@ -244,11 +245,11 @@ def predict(
     console.print(f"{len(records)} predictions written to {output}")
 
 
-data_app = typer.Typer(help="Look at a dataset before training.", no_args_is_help=True)
+data_app = typer.Typer(help="Look at a dataset before training.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(data_app, name="data")
 
 
-@data_app.command("inspect")
+@data_app.command("inspect", cls=HelpCommand)
 def data_inspect(
     data: Annotated[str, typer.Argument(help="A labelled file or a built-in dataset")],
     val: Annotated[str | None, typer.Option(help="Validation file")] = None,
@@ -291,7 +292,7 @@ def data_inspect(
     print_inspection(report, console)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and verdicts as JSON")] = False,
     smoke: Annotated[bool, typer.Option(help="Run real kernels on the device in a child process")] = True,
@@ -322,7 +323,7 @@ def doctor(
     raise typer.Exit(0 if found.can_train else 1)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def targets(
     model: Annotated[str, typer.Option(help="Model alias, folder, .gguf file or hub id")] = TrainConfig.model,
     target_modules: Annotated[
@@ -349,7 +350,7 @@ def targets(
     console.print(targets_line(plan))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     out: Annotated[Path, typer.Option("--out", help="The folder to write")],
@@ -383,7 +384,7 @@ def export(
         console.print(int8_line(info["int8"]), soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def serve(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface)")] = "127.0.0.1",
@@ -440,7 +441,7 @@ def serve(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def report(
     run_dirs: Annotated[list[Path], typer.Argument(help="One or more run folders")],
     out: Annotated[Path, typer.Option(help="Comparison page, written when several runs are given")] = Path(
@@ -466,7 +467,7 @@ def report(
         fail(e)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def sweep(
     config: Annotated[Path, typer.Option("--config", help="Sweep file: out, base, grid and/or runs")],
     dry_run: Annotated[bool, typer.Option(help="List the runs without training")] = False,
