@@ -334,3 +334,63 @@ def test_help_all_gives_each_config_key_its_whole_description():
     assert " ".join(doc.split()) in " ".join(full.split())
     assert "--help-all" in short and len(full.splitlines()) > len(short.splitlines())
     assert max(cell_len(line) for line in full.splitlines()) <= 80  # 正面/负面 take two columns a character
+
+
+EARLY_REFUSALS = """
+import json, sys
+from typer.testing import CliRunner
+from loracls.cli import app
+results = []
+for args in json.loads(sys.argv[1]):
+    result = CliRunner().invoke(app, args)
+    heavy = sorted({"torch", "transformers", "peft"} & set(sys.modules))
+    results.append([" ".join(result.output.split()), result.exit_code, heavy])
+print(json.dumps(results))
+"""
+
+
+def test_argument_errors_come_before_the_heavy_imports(tmp_path):
+    """`loracls predict runs/nonexistent "x"` took 8.7 s of CPU (30-45 s under load) to say the folder
+    is no run: the libraries loaded first. Paths, options and config keys are checked before torch."""
+    import os
+    import subprocess
+    import sys
+
+    missing, empty = tmp_path / "nonexistent", tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "sweep.yaml").write_text("grid: {lr: [1e-4]}\nbase: {lr_r: 4}\n")
+    cases = {
+        "neither a loracls run folder nor a loracls export folder": [
+            ["predict", missing, "x"],
+            ["predict", empty, "--input", tmp_path / "texts.csv"],
+            ["serve", missing],
+        ],
+        "is not a loracls run folder": [
+            ["eval", missing],
+            ["export", empty, "--out", tmp_path / "export"],
+            ["report", missing],
+            ["train", "--resume", missing],
+        ],
+        "Data file not found": [
+            ["train", "--data", tmp_path / "missing.csv"],
+            ["baseline", "--data", tmp_path / "missing.csv"],
+            ["data", "inspect", tmp_path / "missing.csv"],
+        ],
+        "Config file not found": [["train", "--config", missing], ["sweep", "--config", missing]],
+        "Did you mean 'lora_r'": [["train", "lora_rank=4"]],
+        "lr = -1.0": [["train", "--lr", "-1"]],
+        "No such option": [["predict", missing, "x", "--no-such-option"], ["train", "--lora-rank", "4"]],
+        "--precision must be auto, fp32 or bf16": [["serve", missing, "--precision", "fp64"]],
+    }
+    runs = [[str(a) for a in args] for group in cases.values() for args in group]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", EARLY_REFUSALS, json.dumps(runs)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    results = iter(zip(runs, json.loads(done.stdout), strict=True))
+    for phrase, group in cases.items():
+        for _ in group:
+            args, (output, code, heavy) = next(results)
+            assert phrase in output and code == 2, (args, output)
+            assert heavy == [], (args, heavy)  # checked after each command: none loaded them

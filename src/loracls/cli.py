@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loracls.cli_options import HelpCommand, config_options
-from loracls.config import PromptConfig, TrainConfig, parse_overrides
+from loracls.config import PromptConfig, TrainConfig, parse_overrides, read_yaml_config
 from loracls.console import confusion_table, int8_line, per_class_table
 from loracls.errors import LoraclsError
 
@@ -44,7 +44,13 @@ def main(
         typer.Option("--version", callback=print_version, is_eager=True, help="Print the versions and exit"),
     ] = False,
 ) -> None:
-    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output."""
+    """Runs before a command's own options are read: it loads nothing (see `quiet_libraries`)."""
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output. A command calls it
+    once its arguments are checked: importing transformers takes seconds, and a mistyped path or option
+    should be refused before that (`loracls predict runs/nonexistent` spent 8.7 s of CPU to say so)."""
     import warnings
 
     import datasets
@@ -55,6 +61,12 @@ def main(
     datasets.disable_progress_bars()
     # a library's notice about its own internals, not something a user can act on (see pyproject.toml)
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+
+
+def check_run_folder(path: Path) -> None:
+    """Refuse a path that holds no run, as `RunFolder.check_finished` would once torch has loaded."""
+    if not (path / "status.json").is_file():
+        raise LoraclsError(f"{path} is not a loracls run folder (no status.json)")
 
 
 UNFINISHED = typer.Option(help="Accept a run that did not finish: use its best checkpoint so far")
@@ -87,9 +99,7 @@ def train(
     **options,
 ) -> None:
     """Fine-tune with LoRA, validate as it goes, and report on the test split."""
-    from loracls.training.evaluate import describe_learning
-    from loracls.training.train import resume as resume_run
-    from loracls.training.train import train as run_train
+    from loracls.data.tables import check_source
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
@@ -98,10 +108,18 @@ def train(
                 raise LoraclsError(
                     f"--resume takes no other options: the run continues with {resume}/config.yaml"
                 )
-            run, metrics = resume_run(resume)
+            check_run_folder(resume)
         else:
             cfg = TrainConfig.load(config, {**given, **parse_overrides(overrides or [])})
-            run, metrics = run_train(cfg, overwrite)
+            for source in (cfg.data, cfg.val, cfg.test):
+                if source is not None:
+                    check_source(source)
+        quiet_libraries()
+        from loracls.training.evaluate import describe_learning
+        from loracls.training.train import resume as resume_run
+        from loracls.training.train import train as run_train
+
+        run, metrics = resume_run(resume) if resume is not None else run_train(cfg, overwrite)
     except LoraclsError as e:
         fail(e)
     if not run.main:  # under several processes, the main one reports
@@ -150,8 +168,7 @@ def baseline(
     **options,
 ) -> None:
     """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
-    from loracls.model import load_tokenizer, resolve_model
-    from loracls.training.baseline import baseline_line, baseline_on_device, load_baseline_data
+    from loracls.data.tables import check_source
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
@@ -165,6 +182,13 @@ def baseline(
             label_column=label_column,
             **given,
         )
+        for source in (data, train):
+            if source is not None:
+                check_source(source)
+        quiet_libraries()
+        from loracls.model import load_tokenizer, resolve_model
+        from loracls.training.baseline import baseline_line, baseline_on_device, load_baseline_data
+
         table, shots_from, labels = load_baseline_data(data, split, train, cfg)
         path = resolve_model(model)
         tokenizer = load_tokenizer(path)
@@ -185,9 +209,15 @@ def evaluate(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
-    from loracls.inference.predict import evaluate_run
+    from loracls.data.tables import check_source
 
     try:
+        check_run_folder(run_dir)
+        if data is not None:
+            check_source(data)
+        quiet_libraries()
+        from loracls.inference.predict import evaluate_run
+
         metrics, out = evaluate_run(run_dir, data, allow_unfinished, int8)
     except LoraclsError as e:
         fail(e)
@@ -215,12 +245,18 @@ def predict(
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
     file's other columns (ids, metadata) come first in each result, so that it joins back."""
-    from loracls.data.tables import read_table
-    from loracls.inference.predict import Classifier, prediction_lines, write_predictions
+    from loracls.data.tables import check_source, read_table
+    from loracls.inference.export_format import folder_kind
 
     try:
         if bool(texts) == bool(input):
             raise LoraclsError("Give texts as arguments or --input FILE (one of the two)")
+        folder_kind(path)
+        if input is not None:
+            check_source(input)
+        quiet_libraries()
+        from loracls.inference.predict import Classifier, prediction_lines, write_predictions
+
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
         if classifier.int8:
             console.print(int8_line(classifier.int8), soft_wrap=True)
@@ -265,9 +301,15 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.data.inspection import inspect_data, print_inspection
+    from loracls.data.tables import check_source
 
     try:
+        for source in (data, val, test):
+            if source is not None:
+                check_source(source)
+        quiet_libraries()
+        from loracls.data.inspection import inspect_data, print_inspection
+
         cfg = TrainConfig(
             data=data,
             val=val,
@@ -310,6 +352,7 @@ def doctor(
         found.memory["free_gb"] = free_memory_gb()
     try:
         if model:
+            quiet_libraries()
             from loracls.environment.memory import memory_estimate
 
             precision = "bf16" if found.device == "cuda" else "fp32"
@@ -337,6 +380,7 @@ def targets(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
     """Show which modules would get LoRA and what would be trained, without loading weights or training."""
+    quiet_libraries()
     from loracls.lora import plan_for_model, targets_line, targets_table
 
     try:
@@ -366,11 +410,14 @@ def export(
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers; an `objective: lm` run: a
     causal LM) or the adapter alone."""
-    from loracls.inference.export import export_run
     from loracls.inference.export_format import read_export_info
-    from loracls.objective import objective_kind
 
     try:
+        check_run_folder(run_dir)
+        quiet_libraries()
+        from loracls.inference.export import export_run
+        from loracls.objective import objective_kind
+
         folder = export_run(run_dir, out, adapter_only, allow_unfinished, int8)
     except LoraclsError as e:
         fail(e)
@@ -410,6 +457,17 @@ def serve(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
+    from loracls.inference.export_format import folder_kind
+
+    if precision not in ("auto", "fp32", "bf16"):
+        fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
+    if int8 and precision == "bf16":
+        fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
+    try:
+        folder_kind(path)
+    except LoraclsError as e:
+        fail(e)
+    quiet_libraries()
     try:
         from loracls.environment.cpu import check_int8_cpu, emulated_bf16_warning
         from loracls.environment.devices import inference_device
@@ -419,10 +477,6 @@ def serve(
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
         )
-    if precision not in ("auto", "fp32", "bf16"):
-        fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
-    if int8 and precision == "bf16":
-        fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
     if int8:
         try:
             check_int8_cpu()
@@ -450,10 +504,12 @@ def report(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Rebuild RUN/report.html (and RUN/plots/) for each run; for several runs, also a comparison page."""
-    from loracls.training.report import build_report, compare_runs
-    from loracls.training.runs import RunFolder
-
     try:
+        for run_dir in run_dirs:
+            check_run_folder(run_dir)
+        from loracls.training.report import build_report, compare_runs
+        from loracls.training.runs import RunFolder
+
         for run_dir in run_dirs:
             RunFolder(run_dir).check_finished(allow_unfinished)
         for run_dir in run_dirs:
@@ -473,9 +529,11 @@ def sweep(
     dry_run: Annotated[bool, typer.Option(help="List the runs without training")] = False,
 ) -> None:
     """One run per point of a grid over config keys; finished points are skipped, unfinished ones resume."""
-    from loracls.training.sweep import load_sweep, run_sweep
-
     try:
+        read_yaml_config(config)
+        quiet_libraries()
+        from loracls.training.sweep import load_sweep, run_sweep
+
         out, points = load_sweep(config)
         table = Table("run", *points[0].values, title=f"{len(points)} runs into {out}")
         for point in points:

@@ -76,10 +76,20 @@ def check_response(frame: pd.DataFrame, path: Path, column: str) -> list[str]:
     return values
 
 
+def check_source(source: str | Path) -> None:
+    """Refuse a data source that is neither a built-in dataset nor a file, as reading it would: the CLI
+    asks this before it loads the libraries that reading needs."""
+    if str(source) not in BUILTIN_DATASETS and not Path(source).is_file():
+        raise file_not_found(source)
+
+
+def file_not_found(path: str | Path) -> LoraclsError:
+    return LoraclsError(f"Data file not found: {path} (built-in datasets: {', '.join(BUILTIN_DATASETS)})")
+
+
 def read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
-        known = ", ".join(BUILTIN_DATASETS)
-        raise LoraclsError(f"Data file not found: {path} (built-in datasets: {known})")
+        raise file_not_found(path)
     kind = READERS.get(path.suffix.lower())
     if kind is None:
         raise LoraclsError(
