@@ -152,6 +152,7 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     if cjk_font:
         fonts.append(dataclasses.replace(dejavu, name=report.CJK_FONTS[1]))
     monkeypatch.setattr(report.font_manager.fontManager, "ttflist", fonts)
+    monkeypatch.setattr(report.font_manager, "findSystemFonts", lambda: [f.fname for f in fonts])  # no others
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans", "Arial"])
     monkeypatch.setitem(report.plt.rcParams, "font.family", ["serif"])
     page = report.build_report(chinese_run).read_text()
@@ -171,3 +172,118 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
     assert report.use_cjk_font(["positive", "negative"]) is None
     assert report.plt.rcParams["font.sans-serif"] == ["DejaVu Sans"]
+
+
+def written_run(folder, labels, log, test, baseline=None, full_baseline=None):
+    """A finished run folder as `loracls train` leaves it, written directly: the report reads only files."""
+    import yaml
+
+    from loracls.config import TrainConfig
+
+    folder.mkdir(parents=True)
+    id2label = {str(i): label for i, label in enumerate(labels)}
+    files = {
+        "status.json": {"state": "finished"},
+        "labels.json": {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}},
+        "metrics.json": {"test": test, "best_val": {"step": log[-1]["step"]}, "baseline": baseline},
+    }
+    if full_baseline is not None:
+        files["baseline_metrics.json"] = full_baseline
+    for name, value in files.items():
+        (folder / name).write_text(json.dumps(value, ensure_ascii=False))
+    (folder / "config.yaml").write_text(yaml.safe_dump(TrainConfig().to_dict()))
+    (folder / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    return folder
+
+
+def scored(labels, predicted, support):
+    """Test figures as `evaluate.score` writes them, for `len(labels)` classes."""
+    per_class = {
+        label: {"precision": 0.5, "recall": 0.5, "f1-score": 0.5, "support": n}
+        for label, n in zip(labels, support, strict=True)
+    }
+    matrix = [[n if i == j else 0 for j in range(len(labels))] for i, n in enumerate(support)]
+    return {
+        "accuracy": 0.75,
+        "macro_f1": 0.7,
+        "weighted_f1": 0.7,
+        "per_class": per_class,
+        "confusion_matrix": matrix,
+        "pred_distribution": dict(zip(labels, predicted, strict=True)),
+        "n": sum(support),
+    }
+
+
+ZH_LABELS = ["手机", "电脑", "平板"]
+SHORT_LOG = [
+    {"kind": "train", "step": 1, "epoch": 1.0, "loss": 1.1, "lr": 0.0},
+    {"kind": "eval", "step": 1, "val_accuracy": 0.5, "val_macro_f1": 0.4, "best": True},
+]
+
+
+def glyph_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "missing from font" in str(w.message)]
+
+
+def test_a_cjk_font_installed_after_matplotlibs_cache_is_found(tmp_path, monkeypatch):
+    """After `apt-get install fonts-noto-cjk` (as the report advises) matplotlib still drew boxes: its font
+    list is a cache from before the font. With no CJK font in the list, the report adds the font files on
+    disk that the list lacks (faked: a file read as `Noto Sans CJK SC`) and writes the list back once."""
+    import dataclasses
+    import warnings
+
+    from loracls.training import report
+
+    manager = report.font_manager.fontManager
+    fonts = [f for f in manager.ttflist if f.name not in report.CJK_FONTS]  # the stale cache
+    dejavu = next(f for f in fonts if f.name == "DejaVu Sans")
+    on_disk = [dejavu.fname, str(tmp_path / "NotoSansCJK-Regular.ttf")]
+    shutil.copy(dejavu.fname, on_disk[1])  # a file matplotlib can open when it draws with the "CJK" font
+    added, dumped = [], []
+
+    def addfont(path):
+        added.append(path)
+        fonts.append(dataclasses.replace(dejavu, name=report.CJK_FONTS[0], fname=path))
+
+    monkeypatch.setattr(manager, "ttflist", fonts)
+    monkeypatch.setattr(manager, "addfont", addfont)
+    monkeypatch.setattr(report.font_manager, "findSystemFonts", lambda: on_disk)
+    monkeypatch.setattr(report.font_manager, "json_dump", lambda data, path: dumped.append((data, path)))
+    monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
+    monkeypatch.setitem(report.plt.rcParams, "font.family", ["sans-serif"])
+    run = written_run(tmp_path / "run", ZH_LABELS, SHORT_LOG, scored(ZH_LABELS, [2, 1, 1], [2, 1, 1]))
+    with warnings.catch_warnings(record=True):  # the "CJK" font is DejaVu Sans: it has no such glyphs
+        page = report.build_report(run).read_text()
+    assert added == [on_disk[1]]  # only the file the list lacked
+    assert [data for data, _ in dumped] == [manager] and str(dumped[0][1]).endswith(".json")
+    assert report.plt.rcParams["font.sans-serif"][0] == report.CJK_FONTS[0]
+    assert "No font with Chinese" not in page
+    with warnings.catch_warnings(record=True):
+        assert report.use_cjk_font(ZH_LABELS) is None
+    assert len(dumped) == 1  # found now: the list is not rebuilt again
+
+
+def test_without_a_cjk_font_the_glyph_warnings_become_the_one_note(tmp_path, monkeypatch, capsys):
+    """Matplotlib warned once per missing glyph and plot (some 40 `UserWarning: Glyph 20070 ... missing
+    from font(s) DejaVu Sans` lines at the end of a run); the page's note says it once instead."""
+    import warnings
+
+    from loracls.training import report
+
+    manager = report.font_manager.fontManager
+    fonts = [f for f in manager.ttflist if f.name not in report.CJK_FONTS]
+    monkeypatch.setattr(manager, "ttflist", fonts)
+    monkeypatch.setattr(report.font_manager, "findSystemFonts", lambda: [f.fname for f in fonts])
+    monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
+    run = written_run(tmp_path / "run", ZH_LABELS, SHORT_LOG, scored(ZH_LABELS, [2, 1, 1], [2, 1, 1]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        page = report.build_report(run).read_text()
+    assert glyph_warnings(caught) == []
+    assert "No font with Chinese/Japanese/Korean glyphs is installed" in page
+    terminal = " ".join(capsys.readouterr().err.split())
+    assert terminal.count("apt-get install fonts-noto-cjk") == 1
+    with warnings.catch_warnings(record=True) as caught:  # the filter was the report's own: matplotlib warns
+        warnings.simplefilter("always")
+        report.confusion_plot([[1, 0], [0, 1]], ZH_LABELS[:2])
+    assert glyph_warnings(caught)

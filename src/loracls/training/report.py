@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import json
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +18,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
+from loracls.console import console  # noqa: E402
 from loracls.files import write_bytes, write_text  # noqa: E402
 from loracls.training.runs import RunFolder  # noqa: E402
 
@@ -57,11 +59,13 @@ def needs_cjk(labels: list[str]) -> bool:
 
 def use_cjk_font(labels: list[str]) -> str | None:
     """Put an installed CJK font behind the default one when a label needs it; returns a note to show when
-    none is installed (None when all is well)."""
+    none is installed (None when all is well). Before concluding there is none, the font files on disk that
+    matplotlib's font list lacks are added to it (`add_new_fonts`)."""
     if not needs_cjk(labels):
         return None
-    installed = {f.name for f in font_manager.fontManager.ttflist}
-    found = [name for name in CJK_FONTS if name in installed]
+    found = installed_cjk_fonts()
+    if not found and add_new_fonts():
+        found = installed_cjk_fonts()
     if not found:
         return (
             "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show as "
@@ -71,6 +75,32 @@ def use_cjk_font(labels: list[str]) -> str | None:
         plt.rcParams["font.sans-serif"] = [found[0], *plt.rcParams["font.sans-serif"]]
     plt.rcParams["font.family"] = "sans-serif"
     return None
+
+
+def installed_cjk_fonts() -> list[str]:
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return [name for name in CJK_FONTS if name in installed]
+
+
+def add_new_fonts() -> int:
+    """Add to matplotlib's font list the font files on disk it lacks, and write the list back to its cache;
+    returns how many were added.
+
+    matplotlib reads the list from a cache made the first time it ran and never looks again: a font
+    installed since (`apt-get install fonts-noto-cjk`, as the note advises) stayed unknown, and the labels
+    stayed boxes. The list is updated in place, since the Agg backend holds that very object."""
+    manager = font_manager.fontManager
+    known = {f.fname for f in manager.ttflist}
+    new = [path for path in font_manager.findSystemFonts() if path not in known]
+    for path in new:
+        try:
+            manager.addfont(path)
+        except Exception:  # noqa: BLE001 - a file FreeType cannot read is skipped, as matplotlib's own scan does
+            continue
+    if new:
+        cache = Path(matplotlib.get_cachedir(), f"fontlist-v{font_manager.FontManager.__version__}.json")
+        font_manager.json_dump(manager, cache)
+    return len(new)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -218,7 +248,11 @@ def build_report(run_dir: str | Path) -> Path:
     labels = run.read_labels()
     best_step = metrics.get("best_val", {}).get("step")
     font_note = use_cjk_font(labels)
-    plots = write_plots(run, metrics, labels, best_step)
+    with warnings.catch_warnings():
+        if font_note:  # said once, below and on the page, instead of a warning per glyph and plot
+            warnings.filterwarnings("ignore", "Glyph .* missing from font", UserWarning)
+            console.print(f"[yellow]report: {font_note}[/]", soft_wrap=True)
+        plots = write_plots(run, metrics, labels, best_step)
     test = metrics.get("test")
     status = run.status()
     parts = [f"<h1>loracls run {html.escape(run.path.name)}</h1>"]
