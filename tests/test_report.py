@@ -287,3 +287,76 @@ def test_without_a_cjk_font_the_glyph_warnings_become_the_one_note(tmp_path, mon
         warnings.simplefilter("always")
         report.confusion_plot([[1, 0], [0, 1]], ZH_LABELS[:2])
     assert glyph_warnings(caught)
+
+
+LABELS = ["phone", "laptop", "tablet"]
+LONG_LOG = [
+    *({"kind": "train", "step": s, "loss": 1.2 - s / 10, "lr": 1e-3 * (1 - s / 6)} for s in (2, 4, 6)),
+    *({"kind": "eval", "step": s, "val_accuracy": s / 10, "val_macro_f1": s / 12} for s in (3, 6)),
+]
+
+
+def baseline_figures(accuracy, macro_f1, answers):
+    answered = dict(zip(LABELS, answers, strict=True))
+    return {"accuracy": accuracy, "macro_f1": macro_f1, "pred_distribution": answered, "n": 99}
+
+
+def test_the_report_shows_both_baselines_and_what_each_answered(tmp_path):
+    """The page showed the uncalibrated baseline only; the calibrated figure and the label counts ("48 of
+    99 answered phone") were in the terminal and metrics.json alone."""
+    from loracls.training.report import build_report
+
+    full = {
+        "headline": "uncalibrated",
+        "uncalibrated": baseline_figures(0.4242, 0.2525, [48, 30, 21]),
+        "calibrated": baseline_figures(0.5656, 0.5353, [35, 33, 31]),
+    }
+    summary = {
+        **{k: full["uncalibrated"][k] for k in ("accuracy", "macro_f1", "pred_distribution")},
+        "headline": "uncalibrated",
+        "calibrated_accuracy": 0.5656,
+        "uncalibrated_accuracy": 0.4242,
+        "shots": 0,
+    }
+    test = scored(LABELS, [40, 30, 29], [33, 33, 33])
+    run = written_run(tmp_path / "run", LABELS, LONG_LOG, test, summary, full)
+    page = build_report(run).read_text()
+    baseline = page[page.index('id="baseline"') : page.index('id="per-class"')]
+    for figure in ("0.4242", "0.2525", "0.5656", "0.5353", "0.7500", "0.3258"):  # 0.75 - 0.4242: the gain
+        assert f">{figure}</td>" in baseline, figure
+    assert "baseline uncalibrated (0-shot, headline)" in baseline
+    for row in (["phone", 33, 48, 35, 40], ["laptop", 33, 30, 33, 30], ["tablet", 33, 21, 31, 29]):
+        cells = "".join(f'<td class="{"num" if i else ""}">{v}</td>' for i, v in enumerate(row))
+        assert cells in baseline, row  # label, gold, uncalibrated, calibrated, fine-tuned
+    assert "48 of 99 answered phone" in baseline
+
+    (run / "baseline_metrics.json").unlink()  # metrics.json alone keeps the calibrated accuracy
+    page = build_report(run).read_text()
+    assert ">0.5656</td>" in page and ">0.4242</td>" in page and "48 of 99 answered phone" in page
+
+
+def test_a_run_too_short_for_curves_says_so(tmp_path):
+    """One training log and one validation were drawn as single dots (the learning rate: one point at 0 on
+    a +-4e-2 axis); the page says the run was too short and lists what it logged."""
+    from loracls.training.report import build_report
+
+    run = written_run(tmp_path / "run", LABELS, SHORT_LOG, scored(LABELS, [1, 1, 1], [1, 1, 1]))
+    page = build_report(run).read_text()
+    curves = page[page.index('id="curves"') : page.index('id="mistakes"')]
+    assert "too short for curves" in curves and "<img" not in curves
+    assert ">1.1000</td>" in curves and ">0.5000</td>" in curves  # the logged loss, the validation accuracy
+    assert not (run / "plots" / "curves.png").exists() and (run / "plots" / "confusion.png").is_file()
+
+
+def test_curves_mark_their_points_on_axes_that_fit_them():
+    from loracls.training.report import curves_figure
+
+    figure = curves_figure(LONG_LOG, best_step=6, peak_lr=1e-3)
+    loss, lr, _ = figure.axes
+    markers = [line.get_marker() for ax in figure.axes for line in ax.get_lines()[:2]]
+    assert markers == ["o"] * 4  # loss, learning rate, validation accuracy and macro-F1
+    assert lr.get_ylim()[0] <= 0 < 1e-3 <= lr.get_ylim()[1] <= 1.2e-3  # from 0 to the peak learning rate
+    assert loss.get_ylim()[0] == 0
+    assert all(ax.get_xlim()[0] == 0 and ax.get_xlim()[1] >= 6 for ax in figure.axes)
+    assert all(float(t).is_integer() for t in lr.get_xticks())  # optimizer steps, not 5.5
+    assert curves_figure(SHORT_LOG, best_step=1, peak_lr=1e-3) is None
