@@ -145,23 +145,23 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     default one; without one (every installed font but those) the page says what to install."""
     import dataclasses
 
-    from loracls.training import report
+    from loracls.training import fonts, report
 
-    fonts = [f for f in report.font_manager.fontManager.ttflist if f.name not in report.CJK_FONTS]
-    dejavu = next(f for f in fonts if f.name == "DejaVu Sans")
+    listed = [f for f in fonts.font_manager.fontManager.ttflist if f.name not in fonts.CJK_FONTS]
+    dejavu = next(f for f in listed if f.name == "DejaVu Sans")
     if cjk_font:
-        fonts.append(dataclasses.replace(dejavu, name=report.CJK_FONTS[1]))
-    monkeypatch.setattr(report.font_manager.fontManager, "ttflist", fonts)
-    monkeypatch.setattr(report.font_manager, "findSystemFonts", lambda: [f.fname for f in fonts])  # no others
+        listed.append(dataclasses.replace(dejavu, name=fonts.CJK_FONTS[1]))
+    monkeypatch.setattr(fonts.font_manager.fontManager, "ttflist", listed)
+    monkeypatch.setattr(fonts.font_manager, "findSystemFonts", lambda: [f.fname for f in listed])  # no others
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans", "Arial"])
     monkeypatch.setitem(report.plt.rcParams, "font.family", ["serif"])
     page = report.build_report(chinese_run).read_text()
     sans = report.plt.rcParams["font.sans-serif"]
     if cjk_font:
         assert "No font with Chinese" not in page
-        assert sans == [report.CJK_FONTS[1], "DejaVu Sans", "Arial"]
+        assert sans == [fonts.CJK_FONTS[1], "DejaVu Sans", "Arial"]
         assert report.plt.rcParams["font.family"] == ["sans-serif"]
-        assert report.use_cjk_font(["正面", "负面"]) is None  # a second report does not add it again
+        assert fonts.use_cjk_font(["正面", "负面"]) is None  # a second report does not add it again
         assert report.plt.rcParams["font.sans-serif"] == sans
     else:
         note = "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show"
@@ -170,7 +170,7 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     assert len(embedded_images(page)) == 3  # the plots are drawn either way
     # labels without CJK characters leave the fonts alone and get no note
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
-    assert report.use_cjk_font(["positive", "negative"]) is None
+    assert fonts.use_cjk_font(["positive", "negative"]) is None
     assert report.plt.rcParams["font.sans-serif"] == ["DejaVu Sans"]
 
 
@@ -232,23 +232,23 @@ def test_a_cjk_font_installed_after_matplotlibs_cache_is_found(tmp_path, monkeyp
     import dataclasses
     import warnings
 
-    from loracls.training import report
+    from loracls.training import fonts, report
 
-    manager = report.font_manager.fontManager
-    fonts = [f for f in manager.ttflist if f.name not in report.CJK_FONTS]  # the stale cache
-    dejavu = next(f for f in fonts if f.name == "DejaVu Sans")
+    manager = fonts.font_manager.fontManager
+    listed = [f for f in manager.ttflist if f.name not in fonts.CJK_FONTS]  # the stale cache
+    dejavu = next(f for f in listed if f.name == "DejaVu Sans")
     on_disk = [dejavu.fname, str(tmp_path / "NotoSansCJK-Regular.ttf")]
     shutil.copy(dejavu.fname, on_disk[1])  # a file matplotlib can open when it draws with the "CJK" font
     added, dumped = [], []
 
     def addfont(path):
         added.append(path)
-        fonts.append(dataclasses.replace(dejavu, name=report.CJK_FONTS[0], fname=path))
+        listed.append(dataclasses.replace(dejavu, name=fonts.CJK_FONTS[0], fname=path))
 
-    monkeypatch.setattr(manager, "ttflist", fonts)
+    monkeypatch.setattr(manager, "ttflist", listed)
     monkeypatch.setattr(manager, "addfont", addfont)
-    monkeypatch.setattr(report.font_manager, "findSystemFonts", lambda: on_disk)
-    monkeypatch.setattr(report.font_manager, "json_dump", lambda data, path: dumped.append((data, path)))
+    monkeypatch.setattr(fonts.font_manager, "findSystemFonts", lambda: on_disk)
+    monkeypatch.setattr(fonts.font_manager, "json_dump", lambda data, path: dumped.append((data, path)))
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
     monkeypatch.setitem(report.plt.rcParams, "font.family", ["sans-serif"])
     run = written_run(tmp_path / "run", ZH_LABELS, SHORT_LOG, scored(ZH_LABELS, [2, 1, 1], [2, 1, 1]))
@@ -256,10 +256,10 @@ def test_a_cjk_font_installed_after_matplotlibs_cache_is_found(tmp_path, monkeyp
         page = report.build_report(run).read_text()
     assert added == [on_disk[1]]  # only the file the list lacked
     assert [data for data, _ in dumped] == [manager] and str(dumped[0][1]).endswith(".json")
-    assert report.plt.rcParams["font.sans-serif"][0] == report.CJK_FONTS[0]
+    assert report.plt.rcParams["font.sans-serif"][0] == fonts.CJK_FONTS[0]
     assert "No font with Chinese" not in page
     with warnings.catch_warnings(record=True):
-        assert report.use_cjk_font(ZH_LABELS) is None
+        assert fonts.use_cjk_font(ZH_LABELS) is None
     assert len(dumped) == 1  # found now: the list is not rebuilt again
 
 
@@ -268,12 +268,12 @@ def test_without_a_cjk_font_the_glyph_warnings_become_the_one_note(tmp_path, mon
     from font(s) DejaVu Sans` lines at the end of a run); the page's note says it once instead."""
     import warnings
 
-    from loracls.training import report
+    from loracls.training import fonts, report
 
-    manager = report.font_manager.fontManager
-    fonts = [f for f in manager.ttflist if f.name not in report.CJK_FONTS]
-    monkeypatch.setattr(manager, "ttflist", fonts)
-    monkeypatch.setattr(report.font_manager, "findSystemFonts", lambda: [f.fname for f in fonts])
+    manager = fonts.font_manager.fontManager
+    listed = [f for f in manager.ttflist if f.name not in fonts.CJK_FONTS]
+    monkeypatch.setattr(manager, "ttflist", listed)
+    monkeypatch.setattr(fonts.font_manager, "findSystemFonts", lambda: [f.fname for f in listed])
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
     run = written_run(tmp_path / "run", ZH_LABELS, SHORT_LOG, scored(ZH_LABELS, [2, 1, 1], [2, 1, 1]))
     with warnings.catch_warnings(record=True) as caught:
