@@ -1,6 +1,7 @@
 """The whole pipeline through the command line, on tiny local models."""
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -276,3 +277,126 @@ def test_version_names_loracls_and_the_libraries_it_runs_on():
     result = invoke("--version")
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"loracls {version('loracls')} (torch {version('torch')}, transformers ")
+
+
+def command_paths() -> list[list[str]]:
+    """Every command of the `loracls` app, as the words that run it (`["data", "inspect"]`)."""
+    import typer.main
+
+    from loracls.cli import app
+
+    def walk(command, path):
+        if hasattr(command, "commands"):
+            return [p for name, sub in command.commands.items() for p in walk(sub, [*path, name])]
+        return [path]
+
+    return walk(typer.main.get_command(app), [])
+
+
+def help_at(columns: int, *args: str) -> tuple[str, object]:
+    """`loracls ARGS` as a pipe of `columns` columns renders it: (output, the click command)."""
+    import typer.main
+    from typer.testing import CliRunner
+
+    from loracls.cli import app
+
+    group = typer.main.get_command(app)
+    command = group
+    for word in args[:-1]:
+        command = command.commands[word]
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns), "TERM": "dumb"})
+    assert result.exit_code == 0, result.output
+    return result.output, command
+
+
+@pytest.mark.parametrize("path", command_paths(), ids=" ".join)
+def test_help_at_80_columns_names_every_option_whole(path):
+    """At 80 columns (a pipe, a plain terminal) `train --help` ran to 652 lines, cut names to
+    `--gradient-checkpoi…` and showed defaults as `[default: (auto)]`."""
+    from rich.cells import cell_len
+
+    output, command = help_at(80, *path, "--help")
+    lines = output.splitlines()
+    assert max(cell_len(line) for line in lines) <= 80, max(lines, key=cell_len)
+    names = [name for param in command.params for name in (*param.opts, *param.secondary_opts)]
+    for name in [n for n in names if n.startswith("--")] + ["--help"]:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", output), name
+    assert "…" not in output and "[default: (" not in output
+    if path == ["train"]:
+        assert "[default: 0.001]" in output and "[default: attn-qv]" in output
+        assert "[default: no-multi-label]" in output
+        assert len(lines) < 4 * len(command.params)  # 652 lines before; the whole texts are behind --help-all
+
+
+def test_help_all_gives_each_config_key_its_whole_description():
+    from rich.cells import cell_len
+
+    from loracls.config import field_docs
+
+    short, _ = help_at(80, "train", "--help")
+    full, _ = help_at(80, "train", "--help-all")
+    doc = field_docs()["multi_label"]
+    assert "Sigmoid outputs" in doc and "Sigmoid outputs" not in short
+    assert " ".join(doc.split()) in " ".join(full.split())
+    assert "--help-all" in short and len(full.splitlines()) > len(short.splitlines())
+    assert max(cell_len(line) for line in full.splitlines()) <= 80  # 正面/负面 take two columns a character
+
+
+EARLY_REFUSALS = """
+import json, sys
+from typer.testing import CliRunner
+from loracls.cli import app
+results = []
+for args in json.loads(sys.argv[1]):
+    result = CliRunner().invoke(app, args)
+    heavy = sorted({"torch", "transformers", "peft"} & set(sys.modules))
+    results.append([" ".join(result.output.split()), result.exit_code, heavy])
+print(json.dumps(results))
+"""
+
+
+def test_argument_errors_come_before_the_heavy_imports(tmp_path):
+    """`loracls predict runs/nonexistent "x"` took 8.7 s of CPU (30-45 s under load) to say the folder
+    is no run: the libraries loaded first. Paths, options and config keys are checked before torch."""
+    import os
+    import subprocess
+    import sys
+
+    missing, empty = tmp_path / "nonexistent", tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "sweep.yaml").write_text("grid: {lr: [1e-4]}\nbase: {lr_r: 4}\n")
+    cases = {
+        "neither a loracls run folder nor a loracls export folder": [
+            ["predict", missing, "x"],
+            ["predict", empty, "--input", tmp_path / "texts.csv"],
+            ["serve", missing],
+        ],
+        "is not a loracls run folder": [
+            ["eval", missing],
+            ["export", empty, "--out", tmp_path / "export"],
+            ["report", missing],
+            ["train", "--resume", missing],
+        ],
+        "Data file not found": [
+            ["train", "--data", tmp_path / "missing.csv"],
+            ["baseline", "--data", tmp_path / "missing.csv"],
+            ["data", "inspect", tmp_path / "missing.csv"],
+        ],
+        "Config file not found": [["train", "--config", missing], ["sweep", "--config", missing]],
+        "Did you mean 'lora_r'": [["train", "lora_rank=4"]],
+        "lr = -1.0": [["train", "--lr", "-1"]],
+        "No such option": [["predict", missing, "x", "--no-such-option"], ["train", "--lora-rank", "4"]],
+        "--precision must be auto, fp32 or bf16": [["serve", missing, "--precision", "fp64"]],
+    }
+    runs = [[str(a) for a in args] for group in cases.values() for args in group]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", EARLY_REFUSALS, json.dumps(runs)], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    results = iter(zip(runs, json.loads(done.stdout), strict=True))
+    for phrase, group in cases.items():
+        for _ in group:
+            args, (output, code, heavy) = next(results)
+            assert phrase in output and code == 2, (args, output)
+            assert heavy == [], (args, heavy)  # checked after each command: none loaded them

@@ -145,22 +145,23 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     default one; without one (every installed font but those) the page says what to install."""
     import dataclasses
 
-    from loracls.training import report
+    from loracls.training import fonts, report
 
-    fonts = [f for f in report.font_manager.fontManager.ttflist if f.name not in report.CJK_FONTS]
-    dejavu = next(f for f in fonts if f.name == "DejaVu Sans")
+    listed = [f for f in fonts.font_manager.fontManager.ttflist if f.name not in fonts.CJK_FONTS]
+    dejavu = next(f for f in listed if f.name == "DejaVu Sans")
     if cjk_font:
-        fonts.append(dataclasses.replace(dejavu, name=report.CJK_FONTS[1]))
-    monkeypatch.setattr(report.font_manager.fontManager, "ttflist", fonts)
+        listed.append(dataclasses.replace(dejavu, name=fonts.CJK_FONTS[1]))
+    monkeypatch.setattr(fonts.font_manager.fontManager, "ttflist", listed)
+    monkeypatch.setattr(fonts.font_manager, "findSystemFonts", lambda: [f.fname for f in listed])  # no others
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans", "Arial"])
     monkeypatch.setitem(report.plt.rcParams, "font.family", ["serif"])
     page = report.build_report(chinese_run).read_text()
     sans = report.plt.rcParams["font.sans-serif"]
     if cjk_font:
         assert "No font with Chinese" not in page
-        assert sans == [report.CJK_FONTS[1], "DejaVu Sans", "Arial"]
+        assert sans == [fonts.CJK_FONTS[1], "DejaVu Sans", "Arial"]
         assert report.plt.rcParams["font.family"] == ["sans-serif"]
-        assert report.use_cjk_font(["正面", "负面"]) is None  # a second report does not add it again
+        assert fonts.use_cjk_font(["正面", "负面"]) is None  # a second report does not add it again
         assert report.plt.rcParams["font.sans-serif"] == sans
     else:
         note = "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show"
@@ -169,5 +170,193 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
     assert len(embedded_images(page)) == 3  # the plots are drawn either way
     # labels without CJK characters leave the fonts alone and get no note
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
-    assert report.use_cjk_font(["positive", "negative"]) is None
+    assert fonts.use_cjk_font(["positive", "negative"]) is None
     assert report.plt.rcParams["font.sans-serif"] == ["DejaVu Sans"]
+
+
+def written_run(folder, labels, log, test, baseline=None, full_baseline=None):
+    """A finished run folder as `loracls train` leaves it, written directly: the report reads only files."""
+    import yaml
+
+    from loracls.config import TrainConfig
+
+    folder.mkdir(parents=True)
+    id2label = {str(i): label for i, label in enumerate(labels)}
+    files = {
+        "status.json": {"state": "finished"},
+        "labels.json": {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}},
+        "metrics.json": {"test": test, "best_val": {"step": log[-1]["step"]}, "baseline": baseline},
+    }
+    if full_baseline is not None:
+        files["baseline_metrics.json"] = full_baseline
+    for name, value in files.items():
+        (folder / name).write_text(json.dumps(value, ensure_ascii=False))
+    (folder / "config.yaml").write_text(yaml.safe_dump(TrainConfig().to_dict()))
+    (folder / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    return folder
+
+
+def scored(labels, predicted, support):
+    """Test figures as `evaluate.score` writes them, for `len(labels)` classes."""
+    per_class = {
+        label: {"precision": 0.5, "recall": 0.5, "f1-score": 0.5, "support": n}
+        for label, n in zip(labels, support, strict=True)
+    }
+    matrix = [[n if i == j else 0 for j in range(len(labels))] for i, n in enumerate(support)]
+    return {
+        "accuracy": 0.75,
+        "macro_f1": 0.7,
+        "weighted_f1": 0.7,
+        "per_class": per_class,
+        "confusion_matrix": matrix,
+        "pred_distribution": dict(zip(labels, predicted, strict=True)),
+        "n": sum(support),
+    }
+
+
+ZH_LABELS = ["手机", "电脑", "平板"]
+SHORT_LOG = [
+    {"kind": "train", "step": 1, "epoch": 1.0, "loss": 1.1, "lr": 0.0},
+    {"kind": "eval", "step": 1, "val_accuracy": 0.5, "val_macro_f1": 0.4, "best": True},
+]
+
+
+def glyph_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "missing from font" in str(w.message)]
+
+
+def test_a_cjk_font_installed_after_matplotlibs_cache_is_found(tmp_path, monkeypatch):
+    """After `apt-get install fonts-noto-cjk` (as the report advises) matplotlib still drew boxes: its font
+    list is a cache from before the font. With no CJK font in the list, the report adds the font files on
+    disk that the list lacks (faked: a file read as `Noto Sans CJK SC`) and writes the list back once."""
+    import dataclasses
+    import warnings
+
+    from loracls.training import fonts, report
+
+    manager = fonts.font_manager.fontManager
+    listed = [f for f in manager.ttflist if f.name not in fonts.CJK_FONTS]  # the stale cache
+    dejavu = next(f for f in listed if f.name == "DejaVu Sans")
+    on_disk = [dejavu.fname, str(tmp_path / "NotoSansCJK-Regular.ttf")]
+    shutil.copy(dejavu.fname, on_disk[1])  # a file matplotlib can open when it draws with the "CJK" font
+    added, dumped = [], []
+
+    def addfont(path):
+        added.append(path)
+        listed.append(dataclasses.replace(dejavu, name=fonts.CJK_FONTS[0], fname=path))
+
+    monkeypatch.setattr(manager, "ttflist", listed)
+    monkeypatch.setattr(manager, "addfont", addfont)
+    monkeypatch.setattr(fonts.font_manager, "findSystemFonts", lambda: on_disk)
+    monkeypatch.setattr(fonts.font_manager, "json_dump", lambda data, path: dumped.append((data, path)))
+    monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
+    monkeypatch.setitem(report.plt.rcParams, "font.family", ["sans-serif"])
+    run = written_run(tmp_path / "run", ZH_LABELS, SHORT_LOG, scored(ZH_LABELS, [2, 1, 1], [2, 1, 1]))
+    with warnings.catch_warnings(record=True):  # the "CJK" font is DejaVu Sans: it has no such glyphs
+        page = report.build_report(run).read_text()
+    assert added == [on_disk[1]]  # only the file the list lacked
+    assert [data for data, _ in dumped] == [manager] and str(dumped[0][1]).endswith(".json")
+    assert report.plt.rcParams["font.sans-serif"][0] == fonts.CJK_FONTS[0]
+    assert "No font with Chinese" not in page
+    with warnings.catch_warnings(record=True):
+        assert fonts.use_cjk_font(ZH_LABELS) is None
+    assert len(dumped) == 1  # found now: the list is not rebuilt again
+
+
+def test_without_a_cjk_font_the_glyph_warnings_become_the_one_note(tmp_path, monkeypatch, capsys):
+    """Matplotlib warned once per missing glyph and plot (some 40 `UserWarning: Glyph 20070 ... missing
+    from font(s) DejaVu Sans` lines at the end of a run); the page's note says it once instead."""
+    import warnings
+
+    from loracls.training import fonts, report
+
+    manager = fonts.font_manager.fontManager
+    listed = [f for f in manager.ttflist if f.name not in fonts.CJK_FONTS]
+    monkeypatch.setattr(manager, "ttflist", listed)
+    monkeypatch.setattr(fonts.font_manager, "findSystemFonts", lambda: [f.fname for f in listed])
+    monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
+    run = written_run(tmp_path / "run", ZH_LABELS, SHORT_LOG, scored(ZH_LABELS, [2, 1, 1], [2, 1, 1]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        page = report.build_report(run).read_text()
+    assert glyph_warnings(caught) == []
+    assert "No font with Chinese/Japanese/Korean glyphs is installed" in page
+    terminal = " ".join(capsys.readouterr().err.split())
+    assert terminal.count("apt-get install fonts-noto-cjk") == 1
+    with warnings.catch_warnings(record=True) as caught:  # the filter was the report's own: matplotlib warns
+        warnings.simplefilter("always")
+        report.confusion_plot([[1, 0], [0, 1]], ZH_LABELS[:2])
+    assert glyph_warnings(caught)
+
+
+LABELS = ["phone", "laptop", "tablet"]
+LONG_LOG = [
+    *({"kind": "train", "step": s, "loss": 1.2 - s / 10, "lr": 1e-3 * (1 - s / 6)} for s in (2, 4, 6)),
+    *({"kind": "eval", "step": s, "val_accuracy": s / 10, "val_macro_f1": s / 12} for s in (3, 6)),
+]
+
+
+def baseline_figures(accuracy, macro_f1, answers):
+    answered = dict(zip(LABELS, answers, strict=True))
+    return {"accuracy": accuracy, "macro_f1": macro_f1, "pred_distribution": answered, "n": 99}
+
+
+def test_the_report_shows_both_baselines_and_what_each_answered(tmp_path):
+    """The page showed the uncalibrated baseline only; the calibrated figure and the label counts ("48 of
+    99 answered phone") were in the terminal and metrics.json alone."""
+    from loracls.training.report import build_report
+
+    full = {
+        "headline": "uncalibrated",
+        "uncalibrated": baseline_figures(0.4242, 0.2525, [48, 30, 21]),
+        "calibrated": baseline_figures(0.5656, 0.5353, [35, 33, 31]),
+    }
+    summary = {
+        **{k: full["uncalibrated"][k] for k in ("accuracy", "macro_f1", "pred_distribution")},
+        "headline": "uncalibrated",
+        "calibrated_accuracy": 0.5656,
+        "uncalibrated_accuracy": 0.4242,
+        "shots": 0,
+    }
+    test = scored(LABELS, [40, 30, 29], [33, 33, 33])
+    run = written_run(tmp_path / "run", LABELS, LONG_LOG, test, summary, full)
+    page = build_report(run).read_text()
+    baseline = page[page.index('id="baseline"') : page.index('id="per-class"')]
+    for figure in ("0.4242", "0.2525", "0.5656", "0.5353", "0.7500", "0.3258"):  # 0.75 - 0.4242: the gain
+        assert f">{figure}</td>" in baseline, figure
+    assert "baseline uncalibrated (0-shot, headline)" in baseline
+    for row in (["phone", 33, 48, 35, 40], ["laptop", 33, 30, 33, 30], ["tablet", 33, 21, 31, 29]):
+        cells = "".join(f'<td class="{"num" if i else ""}">{v}</td>' for i, v in enumerate(row))
+        assert cells in baseline, row  # label, gold, uncalibrated, calibrated, fine-tuned
+    assert "48 of 99 answered phone" in baseline
+
+    (run / "baseline_metrics.json").unlink()  # metrics.json alone keeps the calibrated accuracy
+    page = build_report(run).read_text()
+    assert ">0.5656</td>" in page and ">0.4242</td>" in page and "48 of 99 answered phone" in page
+
+
+def test_a_run_too_short_for_curves_says_so(tmp_path):
+    """One training log and one validation were drawn as single dots (the learning rate: one point at 0 on
+    a +-4e-2 axis); the page says the run was too short and lists what it logged."""
+    from loracls.training.report import build_report
+
+    run = written_run(tmp_path / "run", LABELS, SHORT_LOG, scored(LABELS, [1, 1, 1], [1, 1, 1]))
+    page = build_report(run).read_text()
+    curves = page[page.index('id="curves"') : page.index('id="mistakes"')]
+    assert "too short for curves" in curves and "<img" not in curves
+    assert ">1.1000</td>" in curves and ">0.5000</td>" in curves  # the logged loss, the validation accuracy
+    assert not (run / "plots" / "curves.png").exists() and (run / "plots" / "confusion.png").is_file()
+
+
+def test_curves_mark_their_points_on_axes_that_fit_them():
+    from loracls.training.report import curves_figure
+
+    figure = curves_figure(LONG_LOG, best_step=6, peak_lr=1e-3)
+    loss, lr, _ = figure.axes
+    markers = [line.get_marker() for ax in figure.axes for line in ax.get_lines()[:2]]
+    assert markers == ["o"] * 4  # loss, learning rate, validation accuracy and macro-F1
+    assert lr.get_ylim()[0] <= 0 < 1e-3 <= lr.get_ylim()[1] <= 1.2e-3  # from 0 to the peak learning rate
+    assert loss.get_ylim()[0] == 0
+    assert all(ax.get_xlim()[0] == 0 and ax.get_xlim()[1] >= 6 for ax in figure.axes)
+    assert all(float(t).is_integer() for t in lr.get_xticks())  # optimizer steps, not 5.5
+    assert curves_figure(SHORT_LOG, best_step=1, peak_lr=1e-3) is None

@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loracls.cli_options import config_options
-from loracls.config import PromptConfig, TrainConfig, parse_overrides
+from loracls.cli_options import HelpCommand, config_options
+from loracls.config import PromptConfig, TrainConfig, parse_overrides, read_yaml_config
 from loracls.console import confusion_table, int8_line, per_class_table
 from loracls.errors import LoraclsError
 
@@ -20,6 +20,7 @@ app = typer.Typer(
     help="Fine-tune a small decoder-only LM as a text classifier with LoRA.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help that fits the terminal (`HelpCommand`)
 )
 console = Console()
 
@@ -43,7 +44,13 @@ def main(
         typer.Option("--version", callback=print_version, is_eager=True, help="Print the versions and exit"),
     ] = False,
 ) -> None:
-    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output."""
+    """Runs before a command's own options are read: it loads nothing (see `quiet_libraries`)."""
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output. A command calls it
+    once its arguments are checked: importing transformers takes seconds, and a mistyped path or option
+    should be refused before that (`loracls predict runs/nonexistent` spent 8.7 s of CPU to say so)."""
     import warnings
 
     import datasets
@@ -54,6 +61,12 @@ def main(
     datasets.disable_progress_bars()
     # a library's notice about its own internals, not something a user can act on (see pyproject.toml)
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+
+
+def check_run_folder(path: Path) -> None:
+    """Refuse a path that holds no run, as `RunFolder.check_finished` would once torch has loaded."""
+    if not (path / "status.json").is_file():
+        raise LoraclsError(f"{path} is not a loracls run folder (no status.json)")
 
 
 UNFINISHED = typer.Option(help="Accept a run that did not finish: use its best checkpoint so far")
@@ -69,7 +82,7 @@ def fail(error: LoraclsError) -> None:
     raise typer.Exit(getattr(error, "exit_code", 2))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @config_options
 def train(
     overrides: Annotated[list[str] | None, typer.Argument(help="key=value config overrides")] = None,
@@ -86,9 +99,7 @@ def train(
     **options,
 ) -> None:
     """Fine-tune with LoRA, validate as it goes, and report on the test split."""
-    from loracls.training.evaluate import describe_learning
-    from loracls.training.train import resume as resume_run
-    from loracls.training.train import train as run_train
+    from loracls.data.tables import check_source
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
@@ -97,10 +108,18 @@ def train(
                 raise LoraclsError(
                     f"--resume takes no other options: the run continues with {resume}/config.yaml"
                 )
-            run, metrics = resume_run(resume)
+            check_run_folder(resume)
         else:
             cfg = TrainConfig.load(config, {**given, **parse_overrides(overrides or [])})
-            run, metrics = run_train(cfg, overwrite)
+            for source in (cfg.data, cfg.val, cfg.test):
+                if source is not None:
+                    check_source(source)
+        quiet_libraries()
+        from loracls.training.evaluate import describe_learning
+        from loracls.training.train import resume as resume_run
+        from loracls.training.train import train as run_train
+
+        run, metrics = resume_run(resume) if resume is not None else run_train(cfg, overwrite)
     except LoraclsError as e:
         fail(e)
     if not run.main:  # under several processes, the main one reports
@@ -126,7 +145,7 @@ def train(
     console.print(f"run folder: {run.path}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @config_options(
     only=PromptConfig,
     names={
@@ -149,8 +168,7 @@ def baseline(
     **options,
 ) -> None:
     """Score the base model with a prompt alone (zero- or few-shot), the figure a fine-tune must beat."""
-    from loracls.model import load_tokenizer, resolve_model
-    from loracls.training.baseline import baseline_line, baseline_on_device, load_baseline_data
+    from loracls.data.tables import check_source
 
     try:
         given = {k: v for k, v in options.items() if v is not None}
@@ -164,6 +182,13 @@ def baseline(
             label_column=label_column,
             **given,
         )
+        for source in (data, train):
+            if source is not None:
+                check_source(source)
+        quiet_libraries()
+        from loracls.model import load_tokenizer, resolve_model
+        from loracls.training.baseline import baseline_line, baseline_on_device, load_baseline_data
+
         table, shots_from, labels = load_baseline_data(data, split, train, cfg)
         path = resolve_model(model)
         tokenizer = load_tokenizer(path)
@@ -176,7 +201,7 @@ def baseline(
     )
 
 
-@app.command("eval")
+@app.command("eval", cls=HelpCommand)
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
@@ -184,9 +209,15 @@ def evaluate(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Evaluate a run's best checkpoint on its test split or on another labelled file."""
-    from loracls.inference.predict import evaluate_run
+    from loracls.data.tables import check_source
 
     try:
+        check_run_folder(run_dir)
+        if data is not None:
+            check_source(data)
+        quiet_libraries()
+        from loracls.inference.predict import evaluate_run
+
         metrics, out = evaluate_run(run_dir, data, allow_unfinished, int8)
     except LoraclsError as e:
         fail(e)
@@ -198,7 +229,7 @@ def evaluate(
     console.print(f"written to {out}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def predict(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
@@ -216,12 +247,18 @@ def predict(
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
     file's other columns (ids, metadata) come first in each result, so that it joins back."""
-    from loracls.data.tables import read_table
-    from loracls.inference.predict import Classifier, prediction_lines, write_predictions
+    from loracls.data.tables import check_source, read_table
+    from loracls.inference.export_format import folder_kind
 
     try:
         if bool(texts) == bool(input):
             raise LoraclsError("Give texts as arguments or --input FILE (one of the two)")
+        folder_kind(path)
+        if input is not None:
+            check_source(input)
+        quiet_libraries()
+        from loracls.inference.predict import Classifier, prediction_lines, write_predictions
+
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
         if classifier.int8:
             console.print(int8_line(classifier.int8), soft_wrap=True)
@@ -246,11 +283,11 @@ def predict(
     console.print(f"{len(records)} predictions written to {output}")
 
 
-data_app = typer.Typer(help="Look at a dataset before training.", no_args_is_help=True)
+data_app = typer.Typer(help="Look at a dataset before training.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(data_app, name="data")
 
 
-@data_app.command("inspect")
+@data_app.command("inspect", cls=HelpCommand)
 def data_inspect(
     data: Annotated[str, typer.Argument(help="A labelled file or a built-in dataset")],
     val: Annotated[str | None, typer.Option(help="Validation file")] = None,
@@ -266,9 +303,15 @@ def data_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.data.inspection import inspect_data, print_inspection
+    from loracls.data.tables import check_source
 
     try:
+        for source in (data, val, test):
+            if source is not None:
+                check_source(source)
+        quiet_libraries()
+        from loracls.data.inspection import inspect_data, print_inspection
+
         cfg = TrainConfig(
             data=data,
             val=val,
@@ -293,7 +336,7 @@ def data_inspect(
     print_inspection(report, console)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print the facts and verdicts as JSON")] = False,
     smoke: Annotated[bool, typer.Option(help="Run real kernels on the device in a child process")] = True,
@@ -311,6 +354,7 @@ def doctor(
         found.memory["free_gb"] = free_memory_gb()
     try:
         if model:
+            quiet_libraries()
             from loracls.environment.memory import memory_estimate
 
             precision = "bf16" if found.device == "cuda" else "fp32"
@@ -324,7 +368,7 @@ def doctor(
     raise typer.Exit(0 if found.can_train else 1)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def targets(
     model: Annotated[str, typer.Option(help="Model alias, folder, .gguf file or hub id")] = TrainConfig.model,
     target_modules: Annotated[
@@ -338,6 +382,7 @@ def targets(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
 ) -> None:
     """Show which modules would get LoRA and what would be trained, without loading weights or training."""
+    quiet_libraries()
     from loracls.lora import plan_for_model, targets_line, targets_table
 
     try:
@@ -351,7 +396,7 @@ def targets(
     console.print(targets_line(plan))
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     out: Annotated[Path, typer.Option("--out", help="The folder to write")],
@@ -367,11 +412,14 @@ def export(
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers; an `objective: lm` run: a
     causal LM) or the adapter alone."""
-    from loracls.inference.export import export_run
     from loracls.inference.export_format import read_export_info
-    from loracls.objective import objective_kind
 
     try:
+        check_run_folder(run_dir)
+        quiet_libraries()
+        from loracls.inference.export import export_run
+        from loracls.objective import objective_kind
+
         folder = export_run(run_dir, out, adapter_only, allow_unfinished, int8)
     except LoraclsError as e:
         fail(e)
@@ -385,7 +433,7 @@ def export(
         console.print(int8_line(info["int8"]), soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def serve(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface)")] = "127.0.0.1",
@@ -411,6 +459,17 @@ def serve(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
+    from loracls.inference.export_format import folder_kind
+
+    if precision not in ("auto", "fp32", "bf16"):
+        fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
+    if int8 and precision == "bf16":
+        fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
+    try:
+        folder_kind(path)
+    except LoraclsError as e:
+        fail(e)
+    quiet_libraries()
     try:
         from loracls.environment.cpu import check_int8_cpu, emulated_bf16_warning
         from loracls.environment.devices import inference_device
@@ -420,10 +479,6 @@ def serve(
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
         )
-    if precision not in ("auto", "fp32", "bf16"):
-        fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
-    if int8 and precision == "bf16":
-        fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
     if int8:
         try:
             check_int8_cpu()
@@ -442,7 +497,7 @@ def serve(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def report(
     run_dirs: Annotated[list[Path], typer.Argument(help="One or more run folders")],
     out: Annotated[Path, typer.Option(help="Comparison page, written when several runs are given")] = Path(
@@ -451,10 +506,12 @@ def report(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
 ) -> None:
     """Rebuild RUN/report.html (and RUN/plots/) for each run; for several runs, also a comparison page."""
-    from loracls.training.report import build_report, compare_runs
-    from loracls.training.runs import RunFolder
-
     try:
+        for run_dir in run_dirs:
+            check_run_folder(run_dir)
+        from loracls.training.report import build_report, compare_runs
+        from loracls.training.runs import RunFolder
+
         for run_dir in run_dirs:
             RunFolder(run_dir).check_finished(allow_unfinished)
         for run_dir in run_dirs:
@@ -468,15 +525,17 @@ def report(
         fail(e)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 def sweep(
     config: Annotated[Path, typer.Option("--config", help="Sweep file: out, base, grid and/or runs")],
     dry_run: Annotated[bool, typer.Option(help="List the runs without training")] = False,
 ) -> None:
     """One run per point of a grid over config keys; finished points are skipped, unfinished ones resume."""
-    from loracls.training.sweep import load_sweep, run_sweep
-
     try:
+        read_yaml_config(config)
+        quiet_libraries()
+        from loracls.training.sweep import load_sweep, run_sweep
+
         out, points = load_sweep(config)
         table = Table("run", *points[0].values, title=f"{len(points)} runs into {out}")
         for point in points:

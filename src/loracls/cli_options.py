@@ -1,25 +1,129 @@
-"""The CLI's typed options made from the config: `config_options` gives a command one `--option` per
-`TrainConfig` field, its help the field's docstring."""
+"""The CLI's typed options made from the config, and its help: `config_options` gives a command one
+`--option` per `TrainConfig` field, its help the field's docstring; `HelpCommand` prints a command's help
+as plain text that fits the terminal, the config keys grouped and short."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 import typing
-from dataclasses import fields
+from dataclasses import Field, fields
 from typing import Annotated
 
 import typer
+from rich.cells import cell_len
+from typer.core import TyperCommand
 
 from loracls.config import GROUPS, TrainConfig, field_docs, field_types
+
+HELP_ALL = "loracls.help_all"
+"""Set in the context's `meta` by `--help-all`: `HelpCommand` then prints every key's whole docstring."""
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z`(])")
+
+
+def summary(doc: str) -> str:
+    """The first sentence of a config key's docstring: what `--help` shows of it. The docstrings are
+    written so that it says what the key is and its values; `--help-all` and docs/reference.md show the
+    rest."""
+    end = SENTENCE_END.search(doc)
+    return doc[: end.start() + 1] if end else doc
+
+
+def default_shown(f: Field) -> str | None:
+    """A key's default as `--help` shows it: the value (`0.001`, `attn-qv`), for a true/false key the flag
+    in effect (`no-multi-label`, as typer shows a command's own flags), nothing when unset (the key's text
+    says what unset means)."""
+    if f.default is None:
+        return None
+    if isinstance(f.default, bool):
+        return ("" if f.default else "no-") + f.name.replace("_", "-")
+    return str(f.default)
+
+
+def config_help(name: str, whole: bool) -> str:
+    """The help of the option of config key `name`: its first sentence (`whole`: all of it) and default."""
+    doc = field_docs()[name]
+    default = default_shown(next(f for f in fields(TrainConfig) if f.name == name))
+    text = doc if whole else summary(doc)
+    return f"{text}  [default: {default}]" if default is not None else text
+
+
+def show_all_help(ctx: typer.Context, value: bool) -> None:
+    """`--help-all`: the help with each config key's whole description."""
+    if not value or ctx.resilient_parsing:
+        return
+    ctx.meta[HELP_ALL] = True
+    typer.echo(ctx.get_help())
+    raise typer.Exit()
+
+
+class HelpCommand(TyperCommand):
+    """A command whose help is plain text that fits the terminal (the app sets `rich_markup_mode=None`):
+    arguments, the command's own options, then any config keys (`config_options`) under the headings of
+    `config.GROUPS`, each with the first sentence of its docstring (all of it with `--help-all`) and its
+    default.
+
+    typer's rich panels put a flag pair such as `--gradient-checkpointing / --no-gradient-checkpointing`
+    in two columns; at 80 columns that left the text a dozen, and rich cut the names
+    (`--gradient-checkpoi…`) to fit."""
+
+    def format_options(self, ctx: typer.Context, formatter) -> None:
+        docs, whole = field_docs(), bool(ctx.meta.get(HELP_ALL))
+        sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                sections["Arguments"].append(record)
+                continue
+            if param.name in docs and param.help == docs[param.name]:  # a config key's option
+                record = (record[0], config_help(param.name, whole))
+            sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for title, records in sections.items():
+            if records:
+                with formatter.section(title):
+                    write_definitions(formatter, records)
+
+
+def write_definitions(formatter, records: list[tuple[str, str]], col_max: int = 30) -> None:
+    """click's `write_dl` (names, then their text in a column), but the text wrapped by terminal cells and
+    at spaces only: click broke `attn-qv`, `en-tweets` and `--no-multi-label` at their hyphens and counted a
+    Chinese character as one column."""
+    indent = " " * formatter.current_indent
+    first = min(max(cell_len(name) for name, _ in records), col_max) + 2
+    for name, text in records:
+        lines = wrap(text, max(formatter.width - first - formatter.current_indent, 10))
+        if cell_len(name) > first - 2:
+            formatter.write(f"{indent}{name}\n")
+            name = ""
+        for i, line in enumerate(lines or [""]):
+            head = name if i == 0 else ""
+            formatter.write(f"{indent}{head}{' ' * (first - cell_len(head))}{line}".rstrip() + "\n")
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` cells, broken at spaces (a word longer than that stays whole)."""
+    lines, line = [], ""
+    for word in text.split(" "):
+        joined = f"{line} {word}" if line else word
+        if line.strip() and cell_len(joined.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = word
+        else:
+            line = joined
+    return [*lines, line.rstrip()] if line.strip() else lines
 
 
 def config_options(command=None, *, only: type | None = None, names: dict[str, list[str]] | None = None):
     """Give `command` one `--option` per config field (of `TrainConfig`, or of `only`), typed as the field,
-    its help from the field's docstring, its default shown, grouped by topic (`config.GROUPS`).
+    its help the field's docstring, grouped by topic (`config.GROUPS`), and `--help-all`. Register the
+    command with `cls=HelpCommand`, which prints them.
 
     The options default to None, meaning "not given", so a YAML config and `key=value` overrides can fill
-    in what the command line left out. `names` gives a field other spellings (`--shots` beside
-    `--baseline-shots`).
+    in what the command line left out (the help shows the config's default). `names` gives a field other
+    spellings (`--shots` beside `--baseline-shots`).
     """
 
     def decorate(command):
@@ -36,16 +140,35 @@ def config_options(command=None, *, only: type | None = None, names: dict[str, l
             option = typer.Option(
                 *spelled,
                 help=docs[f.name],
-                show_default="none" if f.default is None else str(f.default),
+                show_default=False,
                 rich_help_panel=None if only else panel[f.name],
             )
             annotation = Annotated[kind | None, option]
             params.append(
                 inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
             )
+        help_all = typer.Option(
+            "--help-all",
+            callback=show_all_help,
+            is_eager=True,
+            help="Show this message with each key's whole text, and exit",
+        )
+        params.append(
+            inspect.Parameter(
+                "help_all",
+                inspect.Parameter.KEYWORD_ONLY,
+                default=False,
+                annotation=Annotated[bool, help_all],
+            )
+        )
         signature = inspect.signature(command, eval_str=True)
         own = [p for p in signature.parameters.values() if p.name != "options"]
-        command.__signature__ = signature.replace(parameters=own + params)
-        return command
+
+        @functools.wraps(command)
+        def run(*args, help_all: bool = False, **kwargs):  # --help-all has printed and exited by now
+            return command(*args, **kwargs)
+
+        run.__signature__ = signature.replace(parameters=own + params)
+        return run
 
     return decorate(command) if command is not None else decorate

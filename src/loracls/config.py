@@ -23,19 +23,21 @@ class PromptConfig:
     `loracls baseline` share, defined once here."""
 
     prompt: str = "auto"
-    """The prompt of the baseline and of a verbaliser-initialised head: a built-in template (`en-options`,
-    `en-label`, `en-sentiment`, `en-it-was`, `en-review`, `zh-options`, `zh-label`, `zh-sentiment`,
-    `zh-overall`, `zh-review`) or `auto`: every built-in template of the texts' language, with every
-    fitting label-word set, is scored zero-shot on `prompt_sample` training examples and the best macro-F1
-    wins (without training data: the language's `-options` template). config.yaml stores the choice."""
+    """The prompt of the baseline and of a verbaliser-initialised head: a built-in template or `auto`. The
+    templates: `en-options`, `en-label`, `en-sentiment`, `en-it-was`, `en-review`, `zh-options`, `zh-label`,
+    `zh-sentiment`, `zh-overall`, `zh-review`. `auto`: every built-in template of the texts' language, with
+    every fitting label-word set, is scored zero-shot on `prompt_sample` training examples and the best
+    macro-F1 wins (without training data: the language's `-options` template). config.yaml stores the
+    choice."""
     prompt_sample: int = 128
     """Training examples (a stratified sample) that `prompt: auto` scores each candidate prompt on."""
     baseline_shots: int = 0
     """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
     verbalizers: str | dict[str, str] | None = None
-    """The label words: `label=word,...` (for labels without `,` or `=`), or in YAML a mapping of label to
-    word (any label); default: chosen with the prompt among the label names and, for sentiment labels, word
-    sets such as great/terrible (正面/负面, 好/差, 好评/差评 for Chinese). config.yaml stores the mapping."""
+    """The label words: `label=word,...`, or in YAML a mapping of label to word; unset: chosen with the
+    prompt. `label=word,...` serves labels without `,` or `=`, a YAML mapping any label. Unset, they are
+    chosen among the label names and, for sentiment labels, word sets such as great/terrible (正面/负面,
+    好/差, 好评/差评 for Chinese). config.yaml stores the mapping."""
     label_descriptions: str | dict[str, str] | None = None
     """A few words for each label, for the prompt: a YAML or JSON file mapping label to description, a CSV
     with the columns `label` and `description`, or in YAML a mapping. They join the prompt search as one more
@@ -113,31 +115,31 @@ class TrainConfig(PromptConfig):
     epochs: float = 2.0
     """Passes over the training data; a fraction stops part-way through the last one."""
     min_steps: int = 60
-    """Train at least this many optimizer steps, repeating the data past `epochs` where it is small (100
-    examples at batch 32 are 4 steps an epoch; 2 epochs of them left a head near where it started). 0: just
-    `epochs`."""
+    """Train at least this many optimizer steps, repeating the data past `epochs` where it is small (0: just
+    `epochs`). 100 examples at batch 32 are 4 steps an epoch; 2 epochs of them left a head near where it
+    started."""
     lr: float = 1e-3
     """Peak learning rate of AdamW for the LoRA matrices and the classification head."""
     batch_size: int = 32
     """Examples per optimizer step in each process; gradients are accumulated over micro-batches of
     `micro_batch_size` to reach it. Under N processes (DDP/FSDP) one step sees N x this many examples."""
     micro_batch_size: int | None = None
-    """Examples per forward pass; must divide `batch_size`. Unset: on a GPU the largest divisor of
-    `batch_size` that fits in memory at the longest training text (probed once, cached per model, length,
-    precision and device), on a CPU the largest divisor up to 16. The run's `config.yaml` stores the value
-    used."""
+    """Examples per forward pass; must divide `batch_size`; unset: the largest that fits. On a GPU that is
+    the largest divisor of `batch_size` that fits in memory at the longest training text (probed once,
+    cached per model, length, precision and device), on a CPU the largest divisor up to 16. The run's
+    `config.yaml` stores the value used."""
     length_grouping: int = 50
-    """Training micro-batches are cut from length-sorted groups of this many micro-batches (the scheme of
-    transformers' `group_by_length`): little padding, faster. 1: random micro-batches, each padded to its
-    longest text."""
+    """Training micro-batches are cut from length-sorted groups of this many micro-batches: little padding,
+    faster (1: random micro-batches). This is the scheme of transformers' `group_by_length`; at 1 each
+    micro-batch is padded to its longest text."""
     balance_labels: bool = True
-    """Within each length-sorted group, sort by length per label and interleave the labels, so every
-    micro-batch keeps about the label mix of the data (single-label: per label; multi-label: per label set).
-    A plain length sort gives label-skewed micro-batches where length goes with the label (zh-reviews:
-    positive reviews are longer); balanced ones scored above the plain sort and tied or beat random batches
-    in every paired run of `benchmarks/README.md` ("Label-balanced length grouping"), at a little more
-    padding than a plain sort and far less than random batches. False: a plain length sort
-    (transformers' `group_by_length`)."""
+    """Interleave the labels within each length-sorted group, so every micro-batch keeps about the label mix
+    of the data. Each group is sorted by length per label (single-label: per label; multi-label: per label
+    set), then the labels take turns. A plain length sort gives label-skewed micro-batches where length
+    goes with the label (zh-reviews: positive reviews are longer); balanced ones scored above the plain
+    sort and tied or beat random batches in every paired run of `benchmarks/README.md` ("Label-balanced
+    length grouping"), at a little more padding than a plain sort and far less than random batches. False:
+    a plain length sort (transformers' `group_by_length`)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     warmup_ratio: float = 0.06
@@ -153,27 +155,27 @@ class TrainConfig(PromptConfig):
     lora_dropout: float = 0.05
     """Dropout on the LoRA input."""
     head_init: str = "auto"
-    """How the new classification head starts. `verbalizer`: every text is read inside the run's prompt,
-    and each label's row is the LM head's row of its verbaliser's token, so step 0 answers what the
-    uncalibrated zero-shot prompt answers. `zero`: raw text, every class equally likely at step 0.
-    `normal`: raw text, transformers' N(0, initializer_range) (on Gemma's large hidden states it starts
-    confidently wrong). `auto`: `verbalizer` when the chosen prompt's zero-shot answers on the training
-    sample agree with the labels beyond chance (Cohen's kappa at least 0.1), else `zero` (always `zero` for
-    multi-label); the run's config.yaml stores what was decided."""
+    """How the new classification head starts: `auto`, `verbalizer`, `zero` or `normal`. `verbalizer`: every
+    text is read inside the run's prompt, and each label's row is the LM head's row of its verbaliser's token,
+    so step 0 answers what the uncalibrated zero-shot prompt answers. `zero`: raw text, every class equally
+    likely at step 0. `normal`: raw text, transformers' N(0, initializer_range) (on Gemma's large hidden
+    states it starts confidently wrong). `auto`: `verbalizer` when the chosen prompt's zero-shot answers on
+    the training sample agree with the labels beyond chance (Cohen's kappa at least 0.1), else `zero` (always
+    `zero` for multi-label); the run's config.yaml stores what was decided."""
     objective: str = "head"
-    """What is trained. `head`: a classification head on the last token (started as `head_init` says).
-    `lm` (instruction tuning): no new head; LoRA is trained with the causal-LM loss on the response after the
-    run's prompt (the label's word, then with `response_column` a new line and that column's text, then
-    end-of-sequence), and a text's class is the label word the model gives the highest log-probability
-    after the prompt (the baseline's scorer: a forced choice, never an unparsable answer). Single-label
-    only."""
+    """What is trained: `head` (a classification head) or `lm` (instruction tuning: the label word). `head`: a
+    classification head on the last token (started as `head_init` says). `lm`: no new head; LoRA is trained
+    with the causal-LM loss on the response after the run's prompt (the label's word, then with
+    `response_column` a new line and that column's text, then end-of-sequence), and a text's class is the
+    label word the model gives the highest log-probability after the prompt (the baseline's scorer: a forced
+    choice, never an unparsable answer). Single-label only."""
     response_column: str | None = None
     """With `objective: lm`: a column of free text (a comment, a reason) the training response carries after
     the label word; `predict --generate` then writes what the model says. Rows may leave it empty."""
     target_modules: str = "attn-qv"
-    """Modules that get LoRA: a preset (`attn-qv` = q_proj,v_proj; `attn` = q,k,v,o_proj; `all-linear`),
-    comma-separated names (`q_proj,v_proj`) or one regular expression; only ever linear layers inside the
-    language model's decoder layers."""
+    """Modules that get LoRA: a preset (`attn-qv`, `attn`, `all-linear`), comma-separated names or one
+    regular expression. `attn-qv` = q_proj,v_proj; `attn` = q,k,v,o_proj; names such as `q_proj,v_proj`.
+    Only ever linear layers inside the language model's decoder layers."""
     allow_few_targets: bool = False
     """Train even when target_modules gives under a quarter of the LoRA parameters of `attn-qv`."""
     eval_every: int = 50
@@ -181,8 +183,9 @@ class TrainConfig(PromptConfig):
     log_every: int = 10
     """Log loss, learning rate, memory and throughput every this many optimizer steps."""
     save_every: int = 100
-    """Write a full checkpoint (adapter, head, optimizer, scheduler, RNG, data position) every this many
-    optimizer steps, at each new best and at the end; `loracls train --resume RUN` continues from the last."""
+    """Write a full checkpoint every this many optimizer steps, at each new best and at the end; `loracls
+    train --resume RUN` continues from the last. A checkpoint holds the adapter, head, optimizer,
+    scheduler, RNG and data position."""
     keep_checkpoints: int = 2
     """Keep this many most recent checkpoints in `RUN/checkpoints/` (the best one is always kept as well)."""
     skip_nonfinite: int = 0
@@ -195,8 +198,9 @@ class TrainConfig(PromptConfig):
     """`4bit`: QLoRA, the base model's linear layers in 4-bit NF4 through bitsandbytes. Needs a CUDA GPU (or
     ROCm with a bitsandbytes build that supports it: `loracls doctor` tells); refused elsewhere."""
     precision: str = "auto"
-    """`auto` (the fastest the device supports: bf16 on GPUs that have it, fp16 with loss scaling on other
-    GPUs, bf16 on CPUs with AVX-512-BF16 or AMX, else fp32), `fp32`, `bf16` or `fp16`."""
+    """Number format: `auto` (the fastest the device supports), `fp32`, `bf16` or `fp16`. `auto` is bf16 on
+    GPUs that have it, fp16 with loss scaling on other GPUs, bf16 on CPUs with AVX-512-BF16 or AMX, else
+    fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of storing them: less memory (a larger micro-batch
     fits), about a third more compute per step."""
@@ -211,8 +215,9 @@ class TrainConfig(PromptConfig):
     smoke_test: bool = True
     """On a GPU, run `loracls doctor`'s child-process smoke test before loading the model."""
     track: str | None = None
-    """Also log the curves through accelerate's trackers: `tensorboard` (into RUN/tracking) or `mlflow`
-    (the store in MLFLOW_TRACKING_URI; default a local `./mlruns`, no server needed)."""
+    """Also log the curves through accelerate's trackers: `tensorboard` or `mlflow`. `tensorboard` writes
+    into RUN/tracking, `mlflow` into the store in MLFLOW_TRACKING_URI (default a local `./mlruns`, no server
+    needed)."""
     seed: int = 42
     """Seed for the splits, the data order, LoRA initialisation and dropout."""
     out: str | None = None

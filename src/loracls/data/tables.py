@@ -119,11 +119,21 @@ def zip_member(archive: zipfile.ZipFile) -> str:
     return names[0]
 
 
+def check_source(source: str | Path) -> None:
+    """Refuse a data source that is neither a built-in dataset nor a file, as reading it would: the CLI
+    asks this before it loads the libraries that reading needs."""
+    if str(source) not in BUILTIN_DATASETS and not Path(source).is_file():
+        raise file_not_found(source)
+
+
+def file_not_found(path: str | Path) -> LoraclsError:
+    return LoraclsError(f"Data file not found: {path} (built-in datasets: {', '.join(BUILTIN_DATASETS)})")
+
+
 def read_table(path: Path) -> pd.DataFrame:
     """A data file's rows as a table; its index says where each row is in the file (`row_place`)."""
     if not path.is_file():
-        known = ", ".join(BUILTIN_DATASETS)
-        raise LoraclsError(f"Data file not found: {path} (built-in datasets: {known})")
+        raise file_not_found(path)
     suffix, compression = file_format(path)
     kind = READERS.get(suffix)
     if kind is None or (compression and kind in ("parquet", "excel")):

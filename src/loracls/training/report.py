@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import json
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -15,9 +16,11 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
-from matplotlib import font_manager  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from loracls.console import console  # noqa: E402
 from loracls.files import write_bytes, write_text  # noqa: E402
+from loracls.training.fonts import use_cjk_font  # noqa: E402
 from loracls.training.runs import RunFolder  # noqa: E402
 
 STYLE = """
@@ -32,45 +35,6 @@ img { max-width: 100%; }
 """
 MAX_ROWS = 25
 """Examples listed per table of mistakes or flips."""
-
-CJK_FONTS = (
-    "Noto Sans CJK SC",
-    "Noto Sans CJK JP",
-    "Noto Sans SC",
-    "Source Han Sans SC",
-    "WenQuanYi Zen Hei",
-    "WenQuanYi Micro Hei",
-    "Droid Sans Fallback",
-    "AR PL UMing CN",
-    "Microsoft YaHei",
-    "SimHei",
-    "PingFang SC",
-    "Hiragino Sans GB",
-)
-"""Fonts with Chinese (and mostly Japanese/Korean) glyphs, tried in this order after matplotlib's default,
-which has none: without one, Chinese label names are drawn as empty boxes."""
-
-
-def needs_cjk(labels: list[str]) -> bool:
-    return any("\u2e80" <= c <= "\u9fff" or "\uac00" <= c <= "\ud7af" for label in labels for c in label)
-
-
-def use_cjk_font(labels: list[str]) -> str | None:
-    """Put an installed CJK font behind the default one when a label needs it; returns a note to show when
-    none is installed (None when all is well)."""
-    if not needs_cjk(labels):
-        return None
-    installed = {f.name for f in font_manager.fontManager.ttflist}
-    found = [name for name in CJK_FONTS if name in installed]
-    if not found:
-        return (
-            "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show as "
-            "boxes; install one (Debian/Ubuntu: apt-get install fonts-noto-cjk) and run `loracls report RUN`."
-        )
-    if plt.rcParams["font.sans-serif"][0] != found[0]:
-        plt.rcParams["font.sans-serif"] = [found[0], *plt.rcParams["font.sans-serif"]]
-    plt.rcParams["font.family"] = "sans-serif"
-    return None
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -114,15 +78,27 @@ def cell(value) -> str:
     return html.escape(str(value))
 
 
-def curves_plot(log: list[dict], best_step: int | None) -> bytes:
-    """Training loss, learning rate and validation accuracy/macro-F1 over optimizer steps."""
+def curves_figure(log: list[dict], best_step: int | None, peak_lr: float) -> plt.Figure | None:
+    """Training loss, learning rate and validation accuracy/macro-F1 over optimizer steps; None for a run
+    too short to draw curves (under two training logs and under two validations: `short_run_section`).
+
+    Points are marked (a short run is a few of them), the steps run from 0 in whole numbers, the loss from 0
+    and the learning rate from 0 to its peak: one point at lr 0 sat on a +-4e-2 axis."""
     train = [r for r in log if r["kind"] == "train"]
     evals = [r for r in log if r["kind"] == "eval"]
+    if len(train) < 2 and len(evals) < 2:
+        return None
+    marked = {"marker": "o", "markersize": 3} if len(train) <= 60 else {}
+    steps = [r["step"] for r in train]
+    losses, lrs = [r["loss"] for r in train], [r["lr"] for r in train]
+    top = 1.08 * max([peak_lr, *lrs]) or 1.0
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], marker=".")
+    axes[0].plot(steps, losses, **marked)
     axes[0].set(title="training loss", xlabel="optimizer step")
-    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:orange")
-    axes[1].set(title="learning rate", xlabel="optimizer step")
+    if losses and np.isfinite(max(losses)):
+        axes[0].set_ylim(0, 1.08 * max(losses) or 1.0)
+    axes[1].plot(steps, lrs, color="tab:orange", **marked)
+    axes[1].set(title="learning rate", xlabel="optimizer step", ylim=(-0.03 * top, top))
     axes[1].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     for key, name in (("val_accuracy", "accuracy"), ("val_macro_f1", "macro-F1")):
         axes[2].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=name)
@@ -130,10 +106,36 @@ def curves_plot(log: list[dict], best_step: int | None) -> bytes:
         axes[2].axvline(best_step, color="grey", linestyle=":", label=f"best (step {best_step})")
     axes[2].set(title="validation", xlabel="optimizer step")
     axes[2].legend(fontsize=8)
+    last = max(r["step"] for r in log)
     for ax in axes:
+        ax.set_xlim(0, last * 1.03 + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     figure.tight_layout()
-    return png(figure)
+    return figure
+
+
+def short_run_section(log: list[dict]) -> list[str]:
+    """In place of curves for a run that logged too little to draw them: what it logged."""
+    train = sum(r["kind"] == "train" for r in log)
+    evals = sum(r["kind"] == "eval" for r in log)
+    rows = [
+        [
+            r["step"],
+            r["kind"],
+            r.get("loss", ""),
+            f"{r['lr']:.3g}" if "lr" in r else "",
+            r.get("val_accuracy", ""),
+            r.get("val_macro_f1", ""),
+        ]
+        for r in log
+    ]
+    header = ["step", "record", "loss", "learning rate", "val accuracy", "val macro-F1"]
+    return [
+        f'<p class="note">The run logged {train} training step(s) and {evals} validation(s): too short for '
+        "curves (more steps, or a smaller log_every and eval_every, draw them).</p>",
+        table(header, rows, {0, 2, 3, 4, 5}),
+    ]
 
 
 def confusion_plot(matrix: list[list[int]], labels: list[str]) -> bytes:
@@ -218,7 +220,11 @@ def build_report(run_dir: str | Path) -> Path:
     labels = run.read_labels()
     best_step = metrics.get("best_val", {}).get("step")
     font_note = use_cjk_font(labels)
-    plots = write_plots(run, metrics, labels, best_step)
+    with warnings.catch_warnings():
+        if font_note:  # said once, below and on the page, instead of a warning per glyph and plot
+            warnings.filterwarnings("ignore", "Glyph .* missing from font", UserWarning)
+            console.print(f"[yellow]report: {font_note}[/]", soft_wrap=True)
+        plots = write_plots(run, metrics, labels, best_step)
     test = metrics.get("test")
     status = run.status()
     parts = [f"<h1>loracls run {html.escape(run.path.name)}</h1>"]
@@ -231,11 +237,17 @@ def build_report(run_dir: str | Path) -> Path:
             f"<p><b>test accuracy {test['accuracy']:.4f}, macro-F1 {test['macro_f1']:.4f}</b> on {test['n']} "
             f"examples; best validation step {best_step}.</p>"
         )
-    parts += baseline_section(metrics.get("baseline"), test)
+    parts += baseline_section(
+        metrics.get("baseline"), read_json(run.file("baseline_metrics.json")), test, labels
+    )
     parts += prompt_section(read_json(run.file("prompt.json")) if run.file("prompt.json").is_file() else None)
     parts += per_class_sections(test, plots)
     parts.append('<h2 id="curves">Training curves</h2>')
-    parts.append(img(plots["curves"], "training curves") if "curves" in plots else "<p>No training log.</p>")
+    log = read_jsonl(run.file("train_log.jsonl"))
+    if "curves" in plots:
+        parts.append(img(plots["curves"], "training curves"))
+    else:
+        parts += short_run_section(log) if log else ["<p>No training log.</p>"]
     parts += mistakes_sections(run, best_step)
     parts += config_section(run)
     out = run.file("report.html")
@@ -252,33 +264,66 @@ def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int
     log = read_jsonl(run.file("train_log.jsonl"))
     test = metrics.get("test")
     plots: dict[str, bytes] = {}
-    if log:
-        plots["curves"] = curves_plot(log, best_step)
+    peak_lr = yaml.safe_load(run.file("config.yaml").read_text(encoding="utf-8"))["lr"]
+    curves = curves_figure(log, best_step, peak_lr) if log else None
+    if curves is not None:
+        plots["curves"] = png(curves)
     if test:
         plots["per_class"] = per_class_plot(test["per_class"])
     if test and "confusion_matrix" in test:
         plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
     (run.path / "plots").mkdir(exist_ok=True)
+    (run.path / "plots" / "curves.png").unlink(missing_ok=True)  # from an earlier report, when none now
     for name, data in plots.items():
         write_bytes(run.path / "plots" / f"{name}.png", data)
     return plots
 
 
-def baseline_section(baseline: dict | None, test: dict | None) -> list[str]:
+BASELINES = ("uncalibrated", "calibrated")
+
+
+def baseline_section(summary: dict | None, full: dict, test: dict | None, labels: list[str]) -> list[str]:
+    """The prompt baseline uncalibrated and calibrated beside the fine-tuned model on the test split, the
+    headline marked; and how often each answered each label, since a baseline that answers one label for
+    most texts scores that label's share. `summary` is metrics.json's, `full` baseline_metrics.json."""
     parts = ['<h2 id="baseline">Prompt baseline vs fine-tuned</h2>']
-    if not (baseline and test):
+    if not (summary and test):
         return parts + ['<p class="note">No baseline in this run (--no-baseline).</p>']
+    scores = baseline_scores(summary, full)
+    headline = summary["headline"]
+    shots = f"{summary['shots']}-shot"
+    names = [f"baseline {v} ({shots}{', headline' if v == headline else ''})" for v in BASELINES]
     rows = [
-        [name, baseline[key], test[key], test[key] - baseline[key]]
+        [name, *(scores[v].get(key, "") for v in BASELINES), test[key], test[key] - summary[key]]
         for name, key in (("accuracy", "accuracy"), ("macro-F1", "macro_f1"))
     ]
-    header = [
-        "test metric",
-        f"baseline ({baseline['shots']}-shot, {baseline['headline']})",
-        "fine-tuned",
-        "gain",
+    parts.append(table(["test metric", *names, "fine-tuned", f"gain over {headline}"], rows, {1, 2, 3, 4}))
+    answers = {f"{v} baseline": scores[v].get("pred_distribution") for v in BASELINES}
+    answers["fine-tuned"] = test.get("pred_distribution")
+    answers = {who: counts for who, counts in answers.items() if counts}
+    gold = {label: int(figures["support"]) for label, figures in test["per_class"].items()}
+    rows = [
+        [label, gold.get(label, ""), *(counts.get(label, 0) for counts in answers.values())]
+        for label in labels
     ]
-    return parts + [table(header, rows, {1, 2, 3})]
+    parts.append(f"<p>What each answered on the {test['n']} test texts:</p>")
+    parts.append(table(["label", "gold", *answers], rows, set(range(1, len(answers) + 2))))
+    most = [
+        f"{n} of {test['n']} answered {html.escape(label)} ({who})"
+        for who, counts in answers.items()
+        for label, n in [max(counts.items(), key=lambda item: item[1])]
+    ]
+    return parts + [f"<p>Most answered: {'; '.join(most)}.</p>"]
+
+
+def baseline_scores(summary: dict, full: dict) -> dict[str, dict]:
+    """Accuracy, macro-F1 and label counts of each baseline: from baseline_metrics.json, or where a run
+    folder lacks it, what metrics.json keeps (both accuracies, the headline's other figures)."""
+    if all(v in full for v in BASELINES):
+        return {v: full[v] for v in BASELINES}
+    scores = {v: {"accuracy": summary[f"{v}_accuracy"]} for v in BASELINES}
+    scores[summary["headline"]] |= {k: summary[k] for k in ("macro_f1", "pred_distribution")}
+    return scores
 
 
 def prompt_section(prompt: dict | None) -> list[str]:
