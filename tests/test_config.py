@@ -134,8 +134,8 @@ def test_train_help_shows_types_defaults_and_groups():
         assert group in text
     assert "<float>" in text and "<int>" in text and "[default: 0.001]" in text
     assert "[default: attn-qv]" in text and "[default: no-multi-label]" in text
-    unset = "--val <str> Validation file (any format `data` reads); when unset, a stratified `val_fraction` of "
-    unset += "`data` is held out."
+    unset = "--val <str> Validation file (any format `data` reads); when unset, a stratified "
+    unset += "`val_fraction` of `data` is held out."
     assert f"{unset} --test" in text  # no default shown for an unset key: its text says what unset does
     assert sorted(k for keys in GROUPS.values() for k in keys) == sorted(f.name for f in fields(TrainConfig))
 
