@@ -11,9 +11,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loracls.cli_options import HelpCommand, config_options
+from loracls.cli_options import (
+    INT8,
+    UNFINISHED,
+    HelpCommand,
+    check_run_folder,
+    config_options,
+    fail,
+    print_version,
+    quiet_libraries,
+)
 from loracls.config import PromptConfig, TrainConfig, parse_overrides, read_yaml_config
-from loracls.console import confusion_table, int8_line, per_class_table
+from loracls.console import int8_line, per_class_table
 from loracls.errors import LoraclsError
 
 app = typer.Typer(
@@ -25,18 +34,6 @@ app = typer.Typer(
 console = Console()
 
 
-def print_version(asked: bool) -> None:
-    """`--version`: loracls's version and the libraries it runs on, without importing them."""
-    if not asked:
-        return
-    from loracls.environment.doctor import package_version
-
-    names = ("torch", "transformers", "peft", "accelerate")
-    libraries = ", ".join(f"{name} {(package_version(name) or 'not installed')}" for name in names)
-    typer.echo(f"loracls {(package_version('loracls') or 'not installed')} ({libraries})")
-    raise typer.Exit()
-
-
 @app.callback()
 def main(
     version: Annotated[
@@ -45,41 +42,6 @@ def main(
     ] = False,
 ) -> None:
     """Runs before a command's own options are read: it loads nothing (see `quiet_libraries`)."""
-
-
-def quiet_libraries() -> None:
-    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output. A command calls it
-    once its arguments are checked: importing transformers takes seconds, and a mistyped path or option
-    should be refused before that (`loracls predict runs/nonexistent` spent 8.7 s of CPU to say so)."""
-    import warnings
-
-    import datasets
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    # a library's notice about its own internals, not something a user can act on (see pyproject.toml)
-    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-
-
-def check_run_folder(path: Path) -> None:
-    """Refuse a path that holds no run, as `RunFolder.check_finished` would once torch has loaded."""
-    if not (path / "status.json").is_file():
-        raise LoraclsError(f"{path} is not a loracls run folder (no status.json)")
-
-
-UNFINISHED = typer.Option(help="Accept a run that did not finish: use its best checkpoint so far")
-INT8 = typer.Option(
-    help="CPU: run the decoder's linear layers in int8 (checked against fp32 on the run's test split first; "
-    "refused if it does not match)"
-)
-
-
-def fail(error: LoraclsError) -> None:
-    """Print the message without a traceback; exit 2 (130 for a run stopped by a signal)."""
-    Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-    raise typer.Exit(getattr(error, "exit_code", 2))
 
 
 @app.command(cls=HelpCommand)
@@ -115,7 +77,7 @@ def train(
                 if source is not None:
                     check_source(source)
         quiet_libraries()
-        from loracls.training.evaluate import describe_learning
+        from loracls.training.train import print_outcome
         from loracls.training.train import resume as resume_run
         from loracls.training.train import train as run_train
 
@@ -124,25 +86,7 @@ def train(
         fail(e)
     if not run.main:  # under several processes, the main one reports
         return
-    test = metrics["test"]
-    console.print(
-        f"\n[bold]test accuracy {test['accuracy']:.4f}  macro-F1 {test['macro_f1']:.4f}[/]  "
-        f"(best validation step {metrics['best_val']['step']}, "
-        f"{metrics['train']['examples_per_s']:.1f} train examples/s)"
-    )
-    if metrics["baseline"]:
-        base = metrics["baseline"]
-        console.print(
-            f"prompt baseline ({base['headline']}, {base['shots']}-shot) accuracy {base['accuracy']:.4f}, "
-            f"macro-F1 {base['macro_f1']:.4f}; fine-tuned: {test['accuracy'] - base['accuracy']:+.4f} "
-            f"accuracy, {test['macro_f1'] - base['macro_f1']:+.4f} macro-F1"
-        )
-    for line in describe_learning(metrics["learning"]):
-        console.print(line, soft_wrap=True)
-    console.print(per_class_table(test))
-    if "confusion_matrix" in test:  # single-label; a multi-label run has one 2x2 matrix per label
-        console.print(confusion_table(test))
-    console.print(f"run folder: {run.path}", soft_wrap=True)
+    print_outcome(run, metrics)
 
 
 @app.command(cls=HelpCommand)

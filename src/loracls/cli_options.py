@@ -1,6 +1,7 @@
-"""The CLI's typed options made from the config, and its help: `config_options` gives a command one
-`--option` per `TrainConfig` field, its help the field's docstring; `HelpCommand` prints a command's help
-as plain text that fits the terminal, the config keys grouped and short."""
+"""The CLI's typed options made from the config, its help, and what every command shares: `config_options`
+gives a command one `--option` per `TrainConfig` field, its help the field's docstring; `HelpCommand` prints
+a command's help as plain text that fits the terminal, the config keys grouped and short; `--version`, the
+checks made before the libraries load (`check_run_folder`, `quiet_libraries`) and the error exit (`fail`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import inspect
 import re
 import typing
 from dataclasses import Field, fields
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.cells import cell_len
+from rich.console import Console
 from typer.core import TyperCommand
 
 from loracls.config import GROUPS, TrainConfig, field_docs, field_types
+from loracls.environment.doctor import package_version
+from loracls.errors import LoraclsError
 
 HELP_ALL = "loracls.help_all"
 """Set in the context's `meta` by `--help-all`: `HelpCommand` then prints every key's whole docstring."""
@@ -172,3 +177,48 @@ def config_options(command=None, *, only: type | None = None, names: dict[str, l
         return run
 
     return decorate(command) if command is not None else decorate
+
+
+UNFINISHED = typer.Option(help="Accept a run that did not finish: use its best checkpoint so far")
+INT8 = typer.Option(
+    help="CPU: run the decoder's linear layers in int8 (checked against fp32 on the run's test split first; "
+    "refused if it does not match)"
+)
+
+
+def print_version(asked: bool) -> None:
+    """`--version`: loracls's version and the libraries it runs on, without importing them."""
+    if not asked:
+        return
+    names = ("torch", "transformers", "peft", "accelerate")
+    libraries = ", ".join(f"{name} {(package_version(name) or 'not installed')}" for name in names)
+    typer.echo(f"loracls {(package_version('loracls') or 'not installed')} ({libraries})")
+    raise typer.Exit()
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own chatter (load reports, map bars) out of loracls's output. A command calls it
+    once its arguments are checked: importing transformers takes seconds, and a mistyped path or option
+    should be refused before that (`loracls predict runs/nonexistent` spent 8.7 s of CPU to say so)."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    # a library's notice about its own internals, not something a user can act on (see pyproject.toml)
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+
+
+def check_run_folder(path: Path) -> None:
+    """Refuse a path that holds no run, as `RunFolder.check_finished` would once torch has loaded."""
+    if not (path / "status.json").is_file():
+        raise LoraclsError(f"{path} is not a loracls run folder (no status.json)")
+
+
+def fail(error: LoraclsError) -> None:
+    """Print the message without a traceback; exit 2 (130 for a run stopped by a signal)."""
+    Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+    raise typer.Exit(getattr(error, "exit_code", 2))

@@ -22,7 +22,7 @@ from peft.utils import load_peft_weights
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
-from loracls.console import console
+from loracls.console import confusion_table, console, per_class_table
 from loracls.data.labels import labels_line
 from loracls.data.prompts import parse_verbalizers, read_descriptions
 from loracls.data.splits import Splits, load_splits
@@ -43,6 +43,7 @@ from loracls.training.baseline import (
     prompt_and_baseline,
 )
 from loracls.training.evaluate import (
+    describe_learning,
     evaluation_probs,
     learning_summary,
     score,
@@ -467,3 +468,27 @@ def score_test_split(
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)
     return score(splits.test, probs, splits.labels, thresholds)
+
+
+def print_outcome(run: RunFolder, metrics: dict) -> None:
+    """What `loracls train` prints at the end: the test figures against the prompt baseline, how the run
+    learned (`describe_learning`), the per-class table, the confusion matrix and the run folder."""
+    test = metrics["test"]
+    console.print(
+        f"\n[bold]test accuracy {test['accuracy']:.4f}  macro-F1 {test['macro_f1']:.4f}[/]  "
+        f"(best validation step {metrics['best_val']['step']}, "
+        f"{metrics['train']['examples_per_s']:.1f} train examples/s)"
+    )
+    if metrics["baseline"]:
+        base = metrics["baseline"]
+        console.print(
+            f"prompt baseline ({base['headline']}, {base['shots']}-shot) accuracy {base['accuracy']:.4f}, "
+            f"macro-F1 {base['macro_f1']:.4f}; fine-tuned: {test['accuracy'] - base['accuracy']:+.4f} "
+            f"accuracy, {test['macro_f1'] - base['macro_f1']:+.4f} macro-F1"
+        )
+    for line in describe_learning(metrics["learning"]):
+        console.print(line, soft_wrap=True)
+    console.print(per_class_table(test))
+    if "confusion_matrix" in test:  # single-label; a multi-label run has one 2x2 matrix per label
+        console.print(confusion_table(test))
+    console.print(f"run folder: {run.path}", soft_wrap=True)
