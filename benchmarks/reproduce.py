@@ -95,6 +95,16 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         + ["--out", "{out}/head_rows.json"],
         ["head_rows.py", "--tasks", "en-tweets", "--quick", "--out", "{out}/head_rows.json"],
     ),
+    "label_scoring": (
+        ["label_scoring.py", "--texts", "32", "--out", "{out}/label_scoring.json"],
+        ["label_scoring.py", "--texts", "2", "--out", "{out}/label_scoring.json"],
+    ),
+    "tasks": (
+        ["tasks.py", "--out", "{out}/tasks.json"],
+        ["tasks.py", "--tasks", "en-tweets,banking77", "--sizes", "en-tweets=48", "--sizes"]
+        + ["banking77=2/class", "--seeds", "1", "--eval", "77", "--test", "77", "--out", "{out}/tasks.json"]
+        + ["min_steps=2", "prompt_sample=8"],
+    ),
     "lora_vs_tfidf": (
         ["lora_vs_tfidf.py", "--eval", "500", "--out", "{out}/lora_vs_tfidf.json"],
         ["lora_vs_tfidf.py", "--train", "64", "--eval", "32", "--out", "{out}/lora_vs_tfidf.json"],
