@@ -13,6 +13,7 @@ here and an entry in `OBJECTIVES`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -330,26 +331,22 @@ def label_log_probs(
     prompts: list[list[int]],
     tokens: list[list[int]],
     batch_size: int = 16,
+    advance: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """log P(verbaliser k | prompt i), summed over the verbaliser's tokens: shape (prompts, labels).
 
     A verbaliser of n tokens is read from the sequence prompt + its first n - 1 tokens; a causal model gives
     the same logits for the prompt's positions in any sequence that starts with it, so shorter verbalisers
-    ride along and a prompt costs one forward pass unless two multi-token verbalisers start differently.
-    Sequences run longest-first in right-padded batches, and the LM head is applied only at the positions
-    that predict a verbaliser token (`logits_to_keep`).
+    ride along and a prompt costs one forward pass unless two multi-token verbalisers start differently
+    (`label_hosts`). Sequences run longest-first in right-padded batches, and the LM head is applied only
+    at the positions that predict a verbaliser token (`logits_to_keep`). `advance` is called with each
+    batch's number of sequences once it has run (a progress bar's).
     """
     jobs: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = {}
-    longest_first = sorted(range(len(tokens)), key=lambda k: -len(tokens[k]))
+    hosts = label_hosts(tokens)
     for i, prompt in enumerate(prompts):
-        hosts: list[tuple[int, ...]] = []
-        for k in longest_first:
-            wanted = tuple(prompt + tokens[k][:-1])
-            host = next((h for h in hosts if h[: len(wanted)] == wanted), None)
-            if host is None:
-                host = wanted
-                hosts.append(host)
-            jobs.setdefault(host, []).append((i, k, len(prompt) - 1))
+        for k, host in hosts.items():
+            jobs.setdefault(tuple(prompt) + host, []).append((i, k, len(prompt) - 1))
     sequences = sorted(jobs, key=len, reverse=True)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
@@ -377,7 +374,20 @@ def label_log_probs(
         for row, items in enumerate(needed):
             for i, k, position, token in items:
                 scores[i, k] += float(log_probs[row, column[position], token])
+        if advance is not None:
+            advance(len(batch))
     return scores
+
+
+def label_hosts(tokens: list[list[int]]) -> dict[int, tuple[int, ...]]:
+    """For each label k (longest words first), the tokens after the prompt of the sequence `label_log_probs`
+    reads its words from: its own tokens but the last, or a longer label's that start with them. As many
+    forward passes a prompt costs as there are distinct values (1 when every label is one token)."""
+    hosts: dict[int, tuple[int, ...]] = {}
+    for k in sorted(range(len(tokens)), key=lambda k: -len(tokens[k])):
+        wanted = tuple(tokens[k][:-1])
+        hosts[k] = next((h for h in hosts.values() if h[: len(wanted)] == wanted), wanted)
+    return hosts
 
 
 OBJECTIVES: dict[str, type[ClassificationHead] | type[LanguageModel]] = {
