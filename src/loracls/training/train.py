@@ -458,10 +458,10 @@ def score_test_split(
     and write every prediction to RUN/test_predictions.jsonl."""
     thresholds = None
     if cfg.multi_label:
-        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective)
+        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective, "thresholds")
         thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
         run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
-    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective)
+    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective, "test")
     if run.main:
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)
