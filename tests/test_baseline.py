@@ -2,6 +2,7 @@
 
 import json
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -330,3 +331,35 @@ def test_the_prompt_search_shows_where_it_is_and_how_long_the_rest_will_take(lla
     bar = rf"prompt search .*{passes}/{passes} forward passes .*candidates 13-15 of 15"
     assert re.search(bar, shown), shown
     assert re.search(r"prompt: candidate 1 took \d+ s; about \d+ s for the rest", shown), shown
+
+
+def test_an_interrupt_in_the_prompt_search_says_where_it_stopped(tiny_models, toy_csv, tmp_path):
+    """A real SIGINT while the first candidate is scored: exit 130, the message names the stage and the
+    candidate, nothing of the prompt was written, and the run is marked interrupted."""
+    from tests.test_runs import short_args, signal_during, status
+
+    out = tmp_path / "run"
+    args = short_args(tiny_models["llama"], toy_csv, out)
+    code, stderr = signal_during(
+        "label_log_probs", signal.SIGINT, args, tmp_path, "loracls.training.baseline"
+    )
+    assert code == 130 and "Traceback" not in stderr
+    said = "SIGINT: stopped while choosing the prompt and scoring the baseline (prompt search: candidate 1 of"
+    assert said + " 15, 0 of " in stderr and "forward passes); start it again (no checkpoint yet)" in stderr
+    assert not (out / "prompt.json").exists() and status(out)["state"] == "interrupted"
+
+
+def test_the_baseline_command_interrupted_says_where_and_that_nothing_was_written(tiny_models, tmp_path):
+    from tests.test_runs import signal_during
+
+    data, out = tmp_path / "test.csv", tmp_path / "baseline"
+    toy_reviews(14, seed=5).to_csv(data, index=False)
+    args = ["baseline", "--model", tiny_models["llama"], "--data", data, "--out", out]
+    args += ["--verbalizers", "negative=bad,positive=good"]
+    code, stderr = signal_during(
+        "label_log_probs", signal.SIGINT, args, tmp_path, "loracls.training.baseline"
+    )
+    assert code == 130 and "Traceback" not in stderr and "Aborted" not in stderr
+    said = r"interrupted during baseline: the texts, 0 of \d+ forward passes; nothing was written"
+    assert re.search(said, stderr), stderr
+    assert not out.exists()

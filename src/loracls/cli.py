@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ from rich.table import Table
 
 from loracls.cli_options import config_options
 from loracls.config import PromptConfig, TrainConfig, parse_overrides
-from loracls.console import confusion_table, int8_line, per_class_table
-from loracls.errors import LoraclsError
+from loracls.console import confusion_table, int8_line, interrupted_at, per_class_table
+from loracls.errors import Interrupted, LoraclsError
 
 app = typer.Typer(
     help="Fine-tune a small decoder-only LM as a text classifier with LoRA.",
@@ -67,6 +68,24 @@ def fail(error: LoraclsError) -> None:
     """Print the message without a traceback; exit 2 (130 for a run stopped by a signal)."""
     Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
     raise typer.Exit(getattr(error, "exit_code", 2))
+
+
+def stops_cleanly(kept: str):
+    """A command that Ctrl-C (SIGINT) ends with exit code 130 and a line saying where it stopped (the stage
+    in progress, `interrupted_at`) and what was kept (`kept`), instead of click's bare `Aborted!`."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            try:
+                return command(*args, **kwargs)
+            except KeyboardInterrupt as e:
+                at = interrupted_at(e)
+                fail(Interrupted(f"interrupted{f' during {at}' if at else ''}; {kept}"))
+
+        return run
+
+    return decorate
 
 
 @app.command()
@@ -127,6 +146,7 @@ def train(
 
 
 @app.command()
+@stops_cleanly("nothing was written")
 @config_options(
     only=PromptConfig,
     names={
@@ -177,6 +197,7 @@ def baseline(
 
 
 @app.command("eval")
+@stops_cleanly("nothing was written")
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
@@ -199,6 +220,7 @@ def evaluate(
 
 
 @app.command()
+@stops_cleanly("nothing was written")
 def predict(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
@@ -350,6 +372,7 @@ def targets(
 
 
 @app.command()
+@stops_cleanly("nothing was written (the partial export folder was removed)")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     out: Annotated[Path, typer.Option("--out", help="The folder to write")],

@@ -30,7 +30,7 @@ from loracls.config import TrainConfig
 from loracls.console import Stage, console, duration, progress
 from loracls.data.batching import make_loader
 from loracls.data.splits import Splits
-from loracls.errors import LoraclsError
+from loracls.errors import Interrupted, LoraclsError
 from loracls.objective import Objective
 from loracls.training import checkpoints
 from loracls.training.evaluate import evaluation_probs, score_validation
@@ -447,12 +447,6 @@ def agree(accelerator: Accelerator, flag: bool) -> bool:
     if accelerator.num_processes == 1:
         return flag
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "max"))
-
-
-class Interrupted(LoraclsError):
-    """Training stopped on SIGINT/SIGTERM after writing a checkpoint."""
-
-    exit_code = 130
 
 
 class StopSignals:
