@@ -228,6 +228,21 @@ def trained(tiny_models, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     return runs
 
 
+@pytest.fixture(scope="session")
+def quick_run(tiny_models, tmp_path_factory) -> Path:
+    """One finished Llama run, trained the quickest way (no prompt search, no baseline), for the tests of
+    what reads a run (predict, eval, export) that need just one."""
+    root = tmp_path_factory.mktemp("quick")
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    args = ("--no-baseline", "--head-init", "zero")
+    result = invoke(
+        "train", "--model", tiny_models["llama"], "--data", data, "--out", root / "run", *FAST, *args
+    )
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
 @pytest.fixture
 def terminal(monkeypatch) -> io.StringIO:
     """What loracls's console (`loracls.console.console`) draws on a 200-column terminal: its live bars

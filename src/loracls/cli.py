@@ -252,8 +252,8 @@ def predict(
             if column not in frame.columns:
                 raise LoraclsError(f"{input}: no text column '{column}'; columns: {list(frame.columns)}")
             texts = [str(t) for t in frame[column]]
-        responses = classifier.generate(texts, max_new_tokens) if generate else None
-        records = classifier.predict(texts)
+        responses = classifier.generate(texts, max_new_tokens, "generate") if generate else None
+        records = classifier.predict(texts, "predict")
         if responses is not None:
             records = [r | {"response": x} for r, x in zip(records, responses, strict=True)]
     except LoraclsError as e:
