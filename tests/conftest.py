@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import string
@@ -253,3 +254,49 @@ def trained(tiny_models, tmp_path_factory) -> dict[str, tuple[Path, str]]:
         assert result.exit_code == 0, result.output
         runs[family] = (out, result.output)
     return runs
+
+
+@pytest.fixture(scope="session")
+def quick_run(tiny_models, tmp_path_factory) -> Path:
+    """One finished Llama run, trained the quickest way (no prompt search, no baseline), for the tests of
+    what reads a run (predict, eval, export) that need just one."""
+    root = tmp_path_factory.mktemp("quick")
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    args = ("--no-baseline", "--head-init", "zero")
+    result = invoke(
+        "train", "--model", tiny_models["llama"], "--data", data, "--out", root / "run", *FAST, *args
+    )
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+@pytest.fixture
+def terminal(monkeypatch) -> io.StringIO:
+    """What loracls's console (`loracls.console.console`) draws on a 200-column terminal: its live bars
+    (each one's last frame stays in the buffer; on a screen it is cleared)."""
+    from loracls.console import console
+
+    screen = io.StringIO()
+    monkeypatch.setenv("TERM", "xterm")  # rich draws no bars on a dumb terminal
+    monkeypatch.setattr(console, "_file", screen)
+    monkeypatch.setattr(console, "_force_terminal", True)
+    monkeypatch.setattr(console, "is_interactive", True)
+    monkeypatch.setattr(console, "_width", 200)
+    return screen
+
+
+@pytest.fixture
+def log_file(monkeypatch) -> io.StringIO:
+    """What loracls's console writes to a log (not a terminal: no bars), every stage's plain lines due at
+    once (`FIRST_LINE_S` and `LOG_EVERY_S` 0)."""
+    from loracls import console as module
+
+    log = io.StringIO()
+    monkeypatch.setattr(module.console, "_file", log)
+    monkeypatch.setattr(module.console, "_force_terminal", False)
+    monkeypatch.setattr(module.console, "is_interactive", False)
+    monkeypatch.setattr(module.console, "_width", 200)
+    monkeypatch.setattr(module, "FIRST_LINE_S", 0.0)
+    monkeypatch.setattr(module, "LOG_EVERY_S", 0.0)
+    return log

@@ -1,6 +1,8 @@
 """The prompt baseline's scoring path on tiny local models, checked against brute-force computations."""
 
 import json
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ from loracls.data.prompts import (
 )
 from loracls.errors import LoraclsError
 from loracls.model import load_causal_lm, load_tokenizer
-from loracls.training import baseline
+from loracls.training import baseline, prompt_search
 from loracls.training.baseline import (
     calibrate,
     choose_prompt,
@@ -28,6 +30,7 @@ from loracls.training.baseline import (
     label_log_probs,
     run_baseline,
 )
+from loracls.training.prompt_search import plan_search
 from tests.conftest import invoke, toy_reviews
 
 LABELS = ["negative", "positive"]
@@ -162,7 +165,7 @@ def test_reversed_order_and_distribution_catch_a_position_bias(llama, monkeypatc
     table = toy_reviews(10).assign(id=lambda t: t.index.astype(str))
     words = "negative=bad,positive=good"
 
-    def second_listed(model, tokenizer, prompts, tokens, batch_size=16):
+    def second_listed(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
         first_line = tokenizer.decode(prompts[0]).split("\n")[0]  # "Answer one of: bad, good."
         second = first_line.rstrip(".").split(": ")[1].split(", ")[1]
         scores = np.full((len(prompts), 2), -5.0)
@@ -306,7 +309,7 @@ def test_the_prompt_is_chosen_by_macro_f1_on_training_examples_and_pinned(llama,
     train = toy_reviews(60).assign(id=lambda t: t.index.astype(str))
     good = {"good", "great", "love"}
 
-    def oracle(model, tokenizer, prompts, tokens, batch_size=16):
+    def oracle(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
         # columns come in label pairs, one pair per word set sharing the prompt
         scores = np.full((len(prompts), len(tokens)), -1.0)
         for i, ids in enumerate(prompts):
@@ -328,3 +331,52 @@ def test_the_prompt_is_chosen_by_macro_f1_on_training_examples_and_pinned(llama,
     assert resolve_prompt(LABELS, [], cfg) == choice.prompt
     # nothing to choose without training examples: the language's first template
     assert choose_prompt(model, tokenizer, None, LABELS, TrainConfig()).prompt.name == "en-options"
+
+
+def test_the_prompt_search_shows_where_it_is_and_how_long_the_rest_will_take(llama, terminal, monkeypatch):
+    """Its bar counts the prompts read and names the candidates in progress; after the first candidate a
+    line says how long that took and the rest will (here always: `ETA_LINE_S` 0)."""
+    model, tokenizer = llama
+    train = toy_reviews(40).assign(id=lambda t: t.index.astype(str))
+    cfg = TrainConfig(prompt_sample=8)
+    monkeypatch.setattr(prompt_search, "ETA_LINE_S", 0.0)
+    choose_prompt(model, tokenizer, train, LABELS, cfg)
+    shown = terminal.getvalue()
+    plan = plan_search(tokenizer, train, LABELS, cfg)
+    passes = plan.total(plan.passes)
+    # the bar's last frame: every prompt read, the last group (en-review's three word sets) in progress
+    bar = rf"prompt search .*{passes}/{passes} prompts .*candidates 13-15 of 15"
+    assert re.search(bar, shown), shown
+    assert re.search(r"prompt: candidate 1 took \d+ s; about \d+ s for the rest", shown), shown
+
+
+def test_an_interrupt_in_the_prompt_search_says_where_it_stopped(tiny_models, toy_csv, tmp_path):
+    """A real SIGINT while the first candidate is scored: exit 130, the message names the stage and the
+    candidate, nothing of the prompt was written, and the run is marked interrupted."""
+    from tests.test_runs import short_args, signal_during, status
+
+    out = tmp_path / "run"
+    args = short_args(tiny_models["llama"], toy_csv, out)
+    code, stderr = signal_during(
+        "label_log_probs", signal.SIGINT, args, tmp_path, "loracls.training.baseline"
+    )
+    assert code == 130 and "Traceback" not in stderr
+    said = "SIGINT: stopped while choosing the prompt and scoring the baseline (prompt search: candidate 1 of"
+    assert said + " 15, 0 of " in stderr and "prompts); start it again (no checkpoint yet)" in stderr
+    assert not (out / "prompt.json").exists() and status(out)["state"] == "interrupted"
+
+
+def test_the_baseline_command_interrupted_says_where_and_that_nothing_was_written(tiny_models, tmp_path):
+    from tests.test_runs import signal_during
+
+    data, out = tmp_path / "test.csv", tmp_path / "baseline"
+    toy_reviews(14, seed=5).to_csv(data, index=False)
+    args = ["baseline", "--model", tiny_models["llama"], "--data", data, "--out", out]
+    args += ["--verbalizers", "negative=bad,positive=good"]
+    code, stderr = signal_during(
+        "label_log_probs", signal.SIGINT, args, tmp_path, "loracls.training.baseline"
+    )
+    assert code == 130 and "Traceback" not in stderr and "Aborted" not in stderr
+    said = r"interrupted during baseline: the texts, 0 of \d+ prompts; nothing was written"
+    assert re.search(said, stderr), stderr
+    assert not out.exists()

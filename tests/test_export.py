@@ -191,3 +191,34 @@ def test_a_folder_is_a_run_an_export_or_refused_alike_by_predict_and_serve(tmp_p
         with pytest.raises(LoraclsError) as error:
             read(other)
         assert str(error.value) == refusal
+
+
+def test_export_shows_its_steps_and_an_interrupt_leaves_nothing(quick_run, tmp_path, log_file, monkeypatch):
+    """In a log, each step of the export (merge, save, check, reload check) gets a line; Ctrl-C in the reload
+    check ends with exit 130, where it stopped, and no folder (not even the partial one)."""
+    from loracls.inference import export
+
+    out = tmp_path / "export"
+    assert invoke("export", quick_run, "--out", out).exit_code == 0
+    steps = [line for line in log_file.getvalue().splitlines() if line.startswith("export: ")]
+    assert [line.split(",")[0] for line in steps] == [
+        "export: merging LoRA into the base",
+        "export: saving the merged model",
+        "export: checking its files",
+        "export: the reload check (loading it as users will)",
+        "export: the reload check (loading it as users will)",
+        "export: the reload check (loading it as users will)",
+    ]  # the last two: 4 of 4 steps, then done
+    assert steps[-1].startswith("export: the reload check (loading it as users will), 4 of 4 steps, done in")
+
+    def stopped(folder, classifier):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "check_reload", stopped)
+    again = tmp_path / "again"
+    result = invoke("export", quick_run, "--out", again)
+    assert result.exit_code == 130, result.output
+    said = " ".join(result.output.split())
+    where = "interrupted during export: the reload check (loading it as users will), 3 of 4 steps; "
+    assert where + "nothing was written (the partial export folder was removed)" in said
+    assert not again.exists() and not (tmp_path / "again.partial").exists()

@@ -1,4 +1,8 @@
-"""fit()'s pieces called directly: the accumulation windows and the line that announces the steps."""
+"""fit()'s pieces called directly: the accumulation windows and the line that announces the steps; the line
+after the first step."""
+
+import json
+import re
 
 import pytest
 import torch
@@ -44,3 +48,22 @@ def test_the_step_line_says_when_min_steps_raised_the_steps():
     )
     assert raised_by_min_steps(TrainConfig(epochs=2, min_steps=8), 5, 10) == ""  # the epochs gave more
     assert raised_by_min_steps(TrainConfig(epochs=1, min_steps=0), 5, 5) == ""
+
+
+def test_a_line_comes_after_the_first_step_long_before_the_first_log_window(tiny_models, toy_csv, tmp_path):
+    """6 optimizer steps logged every 10: the first step prints its loss, how long it took and the rest will;
+    train_log.jsonl holds the windows as before (the last step's only)."""
+    from tests.conftest import invoke
+
+    out = tmp_path / "run"
+    args = ["train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--epochs", "1"]
+    args += ["--batch-size", "16", "--micro-batch-size", "8", "--log-every", "10", "--eval-every", "100"]
+    args += ["--max-length", "64", "--min-steps", "0", "--no-baseline", "--head-init", "zero"]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    first = r"step 1 \| loss \d\.\d{4} \| [\d.]+ s for the first step: about \d+ s for the 5 left; "
+    first += "a line every 10 steps"
+    assert re.search(first, said), said
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "train"] == [6]

@@ -1,13 +1,16 @@
 """`Classifier` (`loracls.inference.predict`): a run's trained head restored, `loracls predict` on texts and
-files (the input's columns kept), and the runs it refuses. Exports through predict are in test_export.py."""
+files (the input's columns kept), the runs it refuses, and the progress `predict` and `eval` show. Exports
+through predict are in test_export.py."""
 
 import json
+import re
+import signal
 
 import pandas as pd
 import torch
 from safetensors.torch import load_file
 
-from loracls.inference.predict import Classifier
+from loracls.inference.predict import Classifier, evaluate_run
 from tests.conftest import invoke
 
 
@@ -72,3 +75,36 @@ def test_unfinished_run_is_refused(trained, tmp_path):
     assert result.exit_code == 2 and "did not finish (status: running)" in result.output
     result = invoke("predict", run)
     assert result.exit_code == 2 and "one of the two" in result.output
+
+
+def test_predict_shows_its_progress_on_a_terminal_and_keeps_stdout_for_results(quick_run, terminal):
+    result = invoke("predict", quick_run, "good story", "awful plot", "love")
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["text"] for line in result.stdout.splitlines()] == [
+        "good story",
+        "awful plot",
+        "love",
+    ]
+    assert re.search(r"predict .*3/3 examples", terminal.getvalue()), terminal.getvalue()
+
+
+def test_eval_prints_plain_lines_to_a_log(quick_run, log_file):
+    metrics, _ = evaluate_run(quick_run)
+    n = metrics["n"]
+    assert re.search(rf"^eval: {n} of {n} examples, done in \d+ s$", log_file.getvalue(), re.M), (
+        log_file.getvalue()
+    )
+
+
+def test_an_interrupted_predict_says_where_and_writes_nothing(quick_run, tmp_path):
+    """A real SIGINT during the first batch: exit 130 with where it stopped, instead of click's `Aborted!`."""
+    from tests.test_runs import signal_during
+
+    out = tmp_path / "predictions.jsonl"
+    args = ["predict", quick_run, "good story", "awful plot", "--output", out]
+    code, stderr = signal_during(
+        "ClassificationHead.probs", signal.SIGINT, args, tmp_path, "loracls.objective"
+    )
+    assert code == 130 and "Traceback" not in stderr and "Aborted" not in stderr
+    assert "interrupted during predict: 0 of 2 examples; nothing was written" in stderr
+    assert not out.exists()

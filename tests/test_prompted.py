@@ -218,7 +218,7 @@ def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_mo
     the same label whatever the text agrees with the labels no better than chance (kappa 0): `zero`."""
     from loracls.training import baseline
 
-    def answers(model, tokenizer, prompts, tokens, batch_size=16):
+    def answers(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
         scores = np.full((len(prompts), len(tokens)), -1.0)  # a pair of columns per word set
         for i, ids in enumerate(prompts):
             positive = bool({"good", "great", "love"} & set(tokenizer.decode(ids).replace("\n", " ").split()))
@@ -239,7 +239,8 @@ def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_mo
     said = " ".join(result.output.split())
     assert f"head_init auto: {decided}" in said
     # why the search runs although the baseline is off, and what skips it
-    searched = r"prompt: scoring \d+ candidate prompts on \d+ training examples, for the head's start "
+    searched = r"prompt: scoring \d+ candidate prompts on \d+ training examples "
+    searched += r"\([\d,]+ prompts, [\d,]+ tokens\), for the head's start "
     assert re.search(searched + r"\(head_init: auto; --head-init zero: raw text, no prompt\)", said), said
     assert "baseline (--no-baseline)" not in said
     kappa = json.loads((out / "prompt.json").read_text())["choice"]["candidates"][0]["kappa"]

@@ -27,12 +27,16 @@ from tests.test_faults import LONG, outputs, start
 # 96 training examples, micro-batch 4, 2 accumulated: 12 optimizer steps, checkpoints at 3, 4, 6, 8, 9, 12
 SHORT = ["--epochs", "1", *LONG[2:]]
 
-# `loracls train` with one function of loracls.training.train paused (after touching a marker file), so that a
-# real signal reaches the process in the middle of that stage
+# `loracls train` (or another command) with one function of loracls.training.train paused (after touching a
+# marker file), so that a real signal reaches the process in the middle of that stage; `Class.method` names a
+# method
 PAUSED = """
 import importlib, sys, time
 module, name, marker = sys.argv[1:4]
 target = importlib.import_module(module)
+*owners, name = name.split(".")
+for owner in owners:
+    target = getattr(target, owner)
 original = getattr(target, name)
 
 def paused(*args, **kwargs):

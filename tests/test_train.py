@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -54,3 +55,19 @@ def test_early_stopping_after_patience(tmp_path, tiny_models, toy_csv):
     evals = [r for r in log if r["kind"] == "eval"]
     assert [r["best"] for r in evals] == [True, False, False]
     assert metrics["train"]["optimizer_steps"] == 3 and metrics["best_val"]["step"] == 1
+
+
+def test_a_log_gets_a_line_from_every_long_stage(tmp_path, tiny_models, toy_csv, log_file):
+    """In a log (no terminal: no bars), each stage that runs long prints where it is and when it is done;
+    here every stage counts as long (`log_file`)."""
+    run_log(tmp_path, tiny_models, toy_csv, epochs=0.5, eval_every=100, prompt_sample=8)
+    written = log_file.getvalue()
+    for stage, unit in [
+        ("prompt search", "prompts"),
+        ("baseline", "prompts"),
+        ("train", "steps"),
+        ("validation", "examples"),
+        ("test", "examples"),
+    ]:
+        assert re.search(rf"^{stage}: (.*, )?\d+ of \d+ {unit}, about \d+ s left$", written, re.M), stage
+        assert re.search(rf"^{stage}: (.*, )?(\d+) of \2 {unit}, done in \d+ s$", written, re.M), stage

@@ -20,6 +20,7 @@ from loracls.cli_options import (
     fail,
     print_version,
     quiet_libraries,
+    stops_cleanly,
 )
 from loracls.config import PromptConfig, TrainConfig, parse_overrides, read_yaml_config
 from loracls.console import int8_line, per_class_table
@@ -90,6 +91,7 @@ def train(
 
 
 @app.command(cls=HelpCommand)
+@stops_cleanly("nothing was written")
 @config_options(
     only=PromptConfig,
     names={
@@ -146,6 +148,7 @@ def baseline(
 
 
 @app.command("eval", cls=HelpCommand)
+@stops_cleanly("nothing was written")
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
@@ -174,6 +177,7 @@ def evaluate(
 
 
 @app.command(cls=HelpCommand)
+@stops_cleanly("nothing was written")
 def predict(
     path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
     texts: Annotated[list[str] | None, typer.Argument(help="Texts to classify")] = None,
@@ -213,8 +217,8 @@ def predict(
             if column not in frame.columns:
                 raise LoraclsError(f"{input}: no text column '{column}'; columns: {list(frame.columns)}")
             texts = [str(t) for t in frame[column]]
-        responses = classifier.generate(texts, max_new_tokens) if generate else None
-        records = classifier.predict(texts)
+        responses = classifier.generate(texts, max_new_tokens, "generate") if generate else None
+        records = classifier.predict(texts, "predict")
         if responses is not None:
             records = [r | {"response": x} for r, x in zip(records, responses, strict=True)]
     except LoraclsError as e:
@@ -341,6 +345,7 @@ def targets(
 
 
 @app.command(cls=HelpCommand)
+@stops_cleanly("nothing was written (the partial export folder was removed)")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     out: Annotated[Path, typer.Option("--out", help="The folder to write")],

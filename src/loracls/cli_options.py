@@ -19,8 +19,9 @@ from rich.console import Console
 from typer.core import TyperCommand
 
 from loracls.config import GROUPS, TrainConfig, field_docs, field_types
+from loracls.console import interrupted_at
 from loracls.environment.doctor import package_version
-from loracls.errors import LoraclsError
+from loracls.errors import Interrupted, LoraclsError
 
 HELP_ALL = "loracls.help_all"
 """Set in the context's `meta` by `--help-all`: `HelpCommand` then prints every key's whole docstring."""
@@ -222,3 +223,21 @@ def fail(error: LoraclsError) -> None:
     """Print the message without a traceback; exit 2 (130 for a run stopped by a signal)."""
     Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
     raise typer.Exit(getattr(error, "exit_code", 2))
+
+
+def stops_cleanly(kept: str):
+    """A command that Ctrl-C (SIGINT) ends with exit code 130 and a line saying where it stopped (the stage
+    in progress, `interrupted_at`) and what was kept (`kept`), instead of click's bare `Aborted!`."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            try:
+                return command(*args, **kwargs)
+            except KeyboardInterrupt as e:
+                at = interrupted_at(e)
+                fail(Interrupted(f"interrupted{f' during {at}' if at else ''}; {kept}"))
+
+        return run
+
+    return decorate

@@ -14,6 +14,7 @@ here and an entry in `OBJECTIVES`.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -331,6 +332,7 @@ def label_log_probs(
     prompts: list[list[int]],
     tokens: list[list[int]],
     batch_size: int = 16,
+    advance: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """log P(verbaliser k | prompt i), summed over the verbaliser's tokens: shape (prompts, labels).
 
@@ -339,6 +341,7 @@ def label_log_probs(
     tokens too: those run as short rows on the prompt's key/value cache (`Continuations`), so 77 labels of a
     few words each cost a few tokens per label, not the prompt again per label. Prompts run longest-first in
     left-padded batches with their own position ids, so that padding moves no real token's position.
+    `advance` is called with each batch's number of prompts once it is scored (a progress bar's).
     """
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -364,7 +367,15 @@ def label_log_probs(
         scores[batch] += torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()[:, firsts].numpy()
         if later.rows:
             scores[batch] += later.score(model, out.cache, attention_mask.to(device))
+        if advance is not None:
+            advance(len(batch))
     return scores
+
+
+def later_tokens(tokens: list[list[int]]) -> int:
+    """The tokens `label_log_probs` reads after each prompt to score the later tokens of words of several
+    tokens (`Continuations`' rows): 0 when every label is one token."""
+    return sum(len(row) for row in Continuations.of(tokens).rows)
 
 
 @dataclass

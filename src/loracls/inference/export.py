@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from loracls.console import progress
 from loracls.environment.cpu import check_int8_cpu
 from loracls.environment.doctor import package_version
 from loracls.environment.micro_batch import eval_batch_size
@@ -57,13 +58,19 @@ def export_run(
             shutil.copytree(run.best, tmp, dirs_exist_ok=True)
             prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels)
         else:
-            classifier = Classifier.from_run(
-                run.path, torch.device("cpu"), allow_unfinished, full_precision=True
-            )
-            classifier.model.save_pretrained(tmp)
-            classifier.tokenizer.save_pretrained(tmp)
-            verify_export(tmp, labels, cfg.objective)
-            check_reload(tmp, classifier)
+            with progress("export", 4, "steps") as stage:
+                stage.update(at="merging LoRA into the base")
+                classifier = Classifier.from_run(
+                    run.path, torch.device("cpu"), allow_unfinished, full_precision=True
+                )
+                stage.update(1, at="saving the merged model")
+                classifier.model.save_pretrained(tmp)
+                classifier.tokenizer.save_pretrained(tmp)
+                stage.update(2, at="checking its files")
+                verify_export(tmp, labels, cfg.objective)
+                stage.update(3, at="the reload check (loading it as users will)")
+                check_reload(tmp, classifier)
+                stage.update(4)
             prompter = classifier.prompter
         int8_check = None
         if int8:  # the merged fp32 classifier just saved, quantised in place: not loaded a second time

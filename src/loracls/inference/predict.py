@@ -15,6 +15,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loracls.console import progress
 from loracls.data.labels import label_names, label_value, separator
 from loracls.data.prompts import Prompter
 from loracls.data.tables import read_labelled
@@ -209,11 +210,11 @@ class Classifier:
         table = pd.DataFrame({"text": texts, "label": self.labels[0]})
         return tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0}, self.prompter)
 
-    def predict_probs(self, texts: list[str]) -> np.ndarray:
-        return self.probs(self.encode(texts))
+    def predict_probs(self, texts: list[str], stage: str | None = None) -> np.ndarray:
+        return self.probs(self.encode(texts), stage)
 
-    def probs(self, dataset: Dataset) -> np.ndarray:
-        """Class probabilities of texts `encode` tokenised, in their order."""
+    def probs(self, dataset: Dataset, stage: str | None = None) -> np.ndarray:
+        """Class probabilities of texts `encode` tokenised, in their order; `stage` names a progress bar."""
         device = next(self.model.parameters()).device
         return predict_probs(
             self.model,
@@ -223,17 +224,19 @@ class Classifier:
             device,
             inference_autocast(device, self.precision),
             objective=self.objective,
+            stage=stage,
         )
 
     @torch.inference_mode()
-    def generate(self, texts: list[str], max_new_tokens: int = 64) -> list[str]:
+    def generate(self, texts: list[str], max_new_tokens: int = 64, stage: str | None = None) -> list[str]:
         """What an `objective: lm` model says after each text's prompt: greedy decoding of at most
-        `max_new_tokens` tokens, one text at a time (no padding to get wrong), special tokens dropped."""
+        `max_new_tokens` tokens, one text at a time (no padding to get wrong), special tokens dropped;
+        `stage` names a progress bar (None: none)."""
         if not self.objective.generates:
             raise LoraclsError("--generate needs a model trained with objective: lm (this one has a head)")
         device = next(self.model.parameters()).device
         answers = []
-        with inference_autocast(device, self.precision):
+        with inference_autocast(device, self.precision), progress(stage, len(texts), "texts") as bar:
             for ids in self.prompter.encode(texts):
                 prompt = torch.tensor([ids], device=device)
                 out = self.model.generate(
@@ -244,12 +247,13 @@ class Classifier:
                     pad_token_id=self.tokenizer.pad_token_id,
                 )
                 answers.append(self.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip())
+                bar.advance()
         return answers
 
-    def predict(self, texts: list[str]) -> list[dict]:
+    def predict(self, texts: list[str], stage: str | None = None) -> list[dict]:
         """One record per text: the predicted `label` (multi-label: `labels`, every one at or above its
-        threshold) and every label's probability."""
-        probs = self.predict_probs(texts)
+        threshold) and every label's probability. `stage` names a progress bar (None: none)."""
+        probs = self.predict_probs(texts, stage)
         key = "label" if self.thresholds is None else "labels"
         predicted = predicted_labels(probs, self.labels, self.thresholds)
         return [
@@ -334,7 +338,7 @@ def evaluate_run(
     unknown = sorted(label_names(table["label"]) - set(classifier.labels))
     if unknown:
         raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
-    probs = classifier.predict_probs(list(table["text"]))
+    probs = classifier.predict_probs(list(table["text"]), "eval")
     thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
     metrics = score(table, probs, classifier.labels, thresholds)
     out = run.file("eval") / ((Path(data).stem if data else "test") + ("-int8" if int8 else ""))
@@ -394,12 +398,12 @@ def measure_int8(classifier: Classifier, run: RunFolder) -> tuple[dict, dict[str
     train, test = run.read_split("train"), run.read_split("test").iloc[: int8_module.PARITY_TEXTS]
     calibration = train.sample(min(len(train), int8_module.CALIBRATION_TEXTS), random_state=0)
     ranges = int8_module.input_ranges(
-        classifier.model, lambda: classifier.predict_probs(list(calibration["text"]))
+        classifier.model, lambda: classifier.predict_probs(list(calibration["text"]), "int8 calibration")
     )
     texts = list(test["text"])
-    reference = classifier.predict_probs(texts)
+    reference = classifier.predict_probs(texts, "int8 check: fp32")
     int8_module.quantize(classifier.model, ranges)
-    candidate = classifier.predict_probs(texts)
+    candidate = classifier.predict_probs(texts, "int8 check: int8")
     if classifier.thresholds is None:
         ids = {name: i for i, name in enumerate(classifier.labels)}
         gold, decide = np.array([ids[x] for x in test["label"]]), lambda p: p.argmax(-1)

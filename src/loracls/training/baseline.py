@@ -22,13 +22,12 @@ from sklearn.metrics import cohen_kappa_score
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
-from loracls.console import console
+from loracls.console import Stage, console, progress
 from loracls.data.labels import label_ids, sort_labels
 from loracls.data.prompts import (
     Prompt,
     Prompter,
     answer_tokens,
-    candidate_prompts,
     format_verbalizers,
     language_note,
     part_on_first_token,
@@ -43,6 +42,7 @@ from loracls.errors import LoraclsError
 from loracls.model import load_causal_lm
 from loracls.objective import input_prompter, label_log_probs, label_rows, objective_kind
 from loracls.training.evaluate import gather_rows, score, write_predictions_jsonl
+from loracls.training.prompt_search import SearchPlan, eta_line, plan_search, prompt_table, search_line
 from loracls.training.runs import RunFolder, write_json
 
 PROMPT_KAPPA = 0.1
@@ -154,50 +154,51 @@ def choose_prompt(
     train: pd.DataFrame | None,
     labels: list[str],
     cfg: PromptConfig,
+    plan: SearchPlan | None = None,
 ) -> PromptChoice:
-    """The candidate prompt (`candidate_prompts`) whose uncalibrated zero-shot answers score the best
-    macro-F1 on a stratified sample of `cfg.prompt_sample` training examples (ties: the higher mean
-    log-probability of the right label, then the earlier candidate). Never sees validation or test labels.
+    """The candidate prompt (`plan_search`) whose uncalibrated zero-shot answers score the best macro-F1 on a
+    stratified sample of `cfg.prompt_sample` training examples (fewer over `cfg.prompt_budget`; ties: the
+    higher mean log-probability of the right label, then the earlier candidate). Never sees validation or
+    test labels. Shows its progress, and once the first candidate is scored how long the rest will take.
 
     Uncalibrated, because that is what a verbaliser-initialised head answers at step 0; macro-F1, because a
     prompt that gives every text one label (listing the options, a small model copies the first) scores low
     on it.
     """
-    candidates = candidate_prompts(labels, [] if train is None else list(train["text"]), cfg)
+    plan = plan or plan_search(tokenizer, train, labels, cfg)
+    candidates, rows = plan.candidates, [dict(row) for row in plan.rows]
     if train is None or train.empty:
         return PromptChoice(candidates[0], [], 0)
-    sample = stratified_sample(train, cfg.prompt_sample, cfg.seed)
+    sample = stratified_sample(train, plan.sample, cfg.seed)
     label2id = label_ids(labels)
     gold = np.array([label2id[x] for x in sample["label"]])
-    rows = [{"template": p.name, "verbalizers": format_verbalizers(p.words)} for p in candidates]
-    groups: dict[str, list[tuple[int, dict[str, list[int]]]]] = {}  # rendered prompt -> candidates
     chat = bool(cfg.chat_template)
-    for n, prompt in enumerate(candidates):
-        try:
-            tokens = Prompter(tokenizer, prompt, [], cfg.max_length, chat=chat).label_tokens()
-        except LoraclsError as e:
-            rows[n]["skipped"] = str(e)
-            continue
-        groups.setdefault(prompt.render("\0"), []).append((n, tokens))
     scored: list[tuple[tuple[float, float], int]] = []  # (macro-F1, gold log-prob), candidate
-    for group in groups.values():
-        # candidates whose prompts are the same text (word sets of a template that lists no options) are
-        # scored in one pass: every word set's tokens are read from the same forward passes
-        prompts = Prompter(tokenizer, candidates[group[0][0]], [], cfg.max_length, chat=chat).encode(
-            list(sample["text"])
-        )
-        columns = [tokens[label] for _, tokens in group for label in labels]
-        every = label_log_probs(model, tokenizer, prompts, columns)
-        for k, (n, _) in enumerate(group):
-            probs = softmax(every[:, k * len(labels) : (k + 1) * len(labels)])
-            gold_log_prob = float(np.log(probs[np.arange(len(gold)), gold]).mean())
-            kappa = cohen_kappa_score(gold, probs.argmax(1), labels=list(range(len(labels))))
-            rows[n] |= {
-                **summary(sample, probs, labels),
-                "kappa": round(float(np.nan_to_num(kappa)), 4),
-                "gold_log_prob": round(gold_log_prob, 4),
-            }
-            scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
+    total = sum(plan.passes) * len(sample)
+    with progress("prompt search", total, "prompts") as stage:
+        for g, group in enumerate(plan.groups):
+            first, last = group[0][0] + 1, group[-1][0] + 1
+            which = f"candidate {first}" if first == last else f"candidates {first}-{last}"
+            stage.update(at=f"{which} of {len(candidates)}")
+            # candidates whose prompts are the same text are scored in one pass: every word set's tokens are
+            # read from the same forward passes
+            prompts = Prompter(tokenizer, candidates[first - 1], [], cfg.max_length, chat=chat).encode(
+                list(sample["text"])
+            )
+            columns = [tokens[label] for _, tokens in group for label in labels]
+            every = label_log_probs(model, tokenizer, prompts, columns, advance=stage.advance)
+            for k, (n, _) in enumerate(group):
+                probs = softmax(every[:, k * len(labels) : (k + 1) * len(labels)])
+                gold_log_prob = float(np.log(probs[np.arange(len(gold)), gold]).mean())
+                kappa = cohen_kappa_score(gold, probs.argmax(1), labels=list(range(len(labels))))
+                rows[n] |= {
+                    **summary(sample, probs, labels),
+                    "kappa": round(float(np.nan_to_num(kappa)), 4),
+                    "gold_log_prob": round(gold_log_prob, 4),
+                }
+                scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
+            if g == 0 and len(plan.groups) > 1:
+                eta_line(stage, which)
     if not scored:
         reasons = sorted({r["skipped"] for r in rows})
         raise LoraclsError(
@@ -207,20 +208,6 @@ def choose_prompt(
     best = candidates[max(sorted(scored, key=lambda item: item[1]), key=lambda item: item[0])[1]]
     majority = float(sample["label"].value_counts(normalize=True).max())
     return PromptChoice(best, rows, len(sample), majority)
-
-
-def prompt_line(choice: PromptChoice) -> str:
-    """The chosen prompt and each candidate's macro-F1 on the training sample, on one line."""
-    if not choice.candidates:
-        return f"prompt: {choice.prompt.name} ({format_verbalizers(choice.prompt.words)})"
-    scores = ", ".join(
-        f"{r['template']} ({r['verbalizers']}) " + (f"{r['macro_f1']:.3f}" if "macro_f1" in r else "skipped")
-        for r in choice.candidates
-    )
-    return (
-        f"prompt: chose {choice.prompt.name} ({format_verbalizers(choice.prompt.words)}) by zero-shot "
-        f"macro-F1 on {choice.sample} training examples: {scores}"
-    )
 
 
 def calibrate(probs: np.ndarray, content_free: np.ndarray) -> np.ndarray:
@@ -289,19 +276,27 @@ def run_baseline(
     token_lists = [tokens[label] for label in labels]
     texts = list(table["text"])
 
-    def log_probs(inputs: list[str], label_order: list[str]) -> np.ndarray:
+    index, count = (0, 1) if processes is None else (processes.process_index, processes.num_processes)
+
+    def log_probs(inputs: list[str], label_order: list[str], stage: Stage) -> np.ndarray:
         prompts = prompter.encode(inputs, label_order)
-        if processes is None or processes.num_processes == 1:
-            return label_log_probs(model, tokenizer, prompts, token_lists, batch_size)
+        if count == 1:
+            return label_log_probs(model, tokenizer, prompts, token_lists, batch_size, stage.advance)
         # every n-th prompt per process; the shares are put back in order on every process
-        mine = np.arange(processes.process_index, len(prompts), processes.num_processes)
+        mine = np.arange(index, len(prompts), count)
         scores = np.zeros((len(prompts), len(token_lists)))
-        scores[mine] = label_log_probs(model, tokenizer, [prompts[i] for i in mine], token_lists, batch_size)
+        mine_prompts = [prompts[i] for i in mine]
+        scores[mine] = label_log_probs(model, tokenizer, mine_prompts, token_lists, batch_size, stage.advance)
         return gather_rows(scores, mine)
 
-    scores = log_probs(texts, order)
-    content_free = softmax(log_probs(list(CONTENT_FREE), order)).mean(axis=0)
-    swapped = log_probs(texts, order[::-1])
+    share = 2 * len(range(index, len(texts), count)) + len(range(index, len(CONTENT_FREE), count))
+    with progress("baseline", share, "prompts") as stage:
+        stage.update(at="the texts")
+        scores = log_probs(texts, order, stage)
+        stage.update(at="calibration (content-free inputs)")
+        content_free = softmax(log_probs(list(CONTENT_FREE), order, stage)).mean(axis=0)
+        stage.update(at="the label order reversed")
+        swapped = log_probs(texts, order[::-1], stage)
     probs = softmax(scores)
     calibrated = calibrate(probs, content_free)
     headline = "calibrated" if cfg.calibrate else "uncalibrated"
@@ -414,11 +409,12 @@ def prompt_and_baseline(
     lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
     with accelerator.autocast():
         try:
-            console.print(search_line(cfg, splits, wants_baseline), soft_wrap=True)
+            plan = plan_search(tokenizer, splits.train, splits.labels, cfg)
+            console.print(search_line(plan, cfg, wants_baseline), soft_wrap=True)
             note = language_note(list(splits.train["text"]))
             if note and cfg.prompt == "auto" and cfg.prompt_template is None:
                 console.print(f"[yellow]prompt: {note}[/]", soft_wrap=True)
-            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg)
+            choice = choose_prompt(lm, tokenizer, splits.train, splits.labels, cfg, plan)
         except LoraclsError as e:  # no prompt can read these labels: without a baseline, `auto` does without
             if not (wants_rows and cfg.head_init == "auto") or wants_baseline:
                 raise
@@ -432,7 +428,7 @@ def prompt_and_baseline(
             why = choice.informative_line() if apart else AUTO_NEEDS_APART
             console.print(f"head_init auto: {cfg.head_init} ({why})", soft_wrap=True)
         run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
-        console.print(prompt_line(choice), soft_wrap=True)
+        console.print(prompt_table(choice.prompt, choice.candidates, choice.sample))
         baseline = stored
         if wants_baseline:  # every process scores a share of the test prompts
             out = run.path if run.main else None
@@ -455,18 +451,6 @@ AUTO_NEEDS_APART = (
 )
 """Why `head_init: auto` takes a zero head for labels whose words begin alike (`card arrival`, `card
 linking`): their mean-of-rows start (`objective.label_rows`) is not yet measured against a zero head."""
-
-
-def search_line(cfg: TrainConfig, splits: Splits, wants_baseline: bool) -> str:
-    """Before the prompt search: how much it scores, why it runs at all, and the options that skip it."""
-    count = len(candidate_prompts(splits.labels, list(splits.train["text"]), cfg))
-    sample = min(cfg.prompt_sample, len(splits.train))
-    reason = objective_kind(cfg.objective).why_prompt(cfg)
-    why = [reason] if reason else []
-    if wants_baseline:
-        why.append("the prompt baseline (--no-baseline)")
-    what = f"{count} candidate prompts" if count > 1 else "the prompt"
-    return f"prompt: scoring {what} on {sample} training examples, for {' and '.join(why)}"
 
 
 def baseline_applies(cfg: TrainConfig, accelerator: Accelerator) -> bool:

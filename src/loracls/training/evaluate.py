@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
+from loracls.console import progress
 from loracls.data.batching import LengthGroupedBatches
 from loracls.data.labels import label_ids, label_value
 from loracls.data.splits import Splits
@@ -43,12 +44,14 @@ def predict_probs(
     autocast: contextlib.AbstractContextManager | None = None,
     accelerator: Accelerator | None = None,
     objective: Objective | None = None,
+    stage: str | None = None,
 ) -> np.ndarray:
     """Class probabilities, shape (examples, classes), in the dataset's order, from `objective.probs`
     (default: the model's classification head: softmax, or a sigmoid per label for multi-label). Under several
     processes (`accelerator`), each scores every n-th batch and all receive the whole result: every example is
     scored exactly once, with no padding of the last batch to gather. Every process runs the same number of
-    forward passes (a short one runs a discarded extra), as a sharded model needs.
+    forward passes (a short one runs a discarded extra), as a sharded model needs. `stage`: the name of the
+    progress bar it shows (None: none; a server's batches show none).
     """
     inputs = dataset.select_columns(["input_ids"])
     batches = LengthGroupedBatches([len(x) for x in inputs["input_ids"]], batch_size, shuffle=False).batches()
@@ -63,9 +66,11 @@ def predict_probs(
     model.eval()
     objective = objective or ClassificationHead.for_model(model)
     probs = np.zeros((len(dataset), objective.classes(model)), dtype=np.float32)
-    with autocast or contextlib.nullcontext():  # entered once: accelerate's autocast() is single-use
+    shown = progress(stage, sum(map(len, batches)), "examples")
+    with autocast or contextlib.nullcontext(), shown as bar:  # autocast once: accelerate's is single-use
         for indices, batch in zip(batches, loader, strict=True):
             probs[indices] = objective.probs(model, {k: v.to(device) for k, v in batch.items()}).cpu().numpy()
+            bar.advance(len(indices))
         for _ in range(rounds - len(batches)):
             # a sharded model (FSDP) needs every process in every forward pass: one example, discarded
             model(**{k: v.to(device) for k, v in collate([inputs[i] for i in spare]).items()})
@@ -245,6 +250,7 @@ def evaluation_probs(
     cfg: TrainConfig,
     accelerator: Accelerator,
     objective: Objective,
+    stage: str | None = None,
 ) -> np.ndarray:
     """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
     return predict_probs(
@@ -256,6 +262,7 @@ def evaluation_probs(
         accelerator.autocast(),
         accelerator,
         objective,
+        stage,
     )
 
 

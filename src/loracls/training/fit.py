@@ -23,15 +23,14 @@ from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from datasets import Dataset
 from peft import PeftModel
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.optim import AdamW
 from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from loracls.config import TrainConfig
-from loracls.console import console
+from loracls.console import Stage, console, duration, progress
 from loracls.data.batching import make_loader
 from loracls.data.splits import Splits
-from loracls.errors import LoraclsError
+from loracls.errors import Interrupted, LoraclsError
 from loracls.objective import Objective
 from loracls.training import checkpoints
 from loracls.training.evaluate import evaluation_probs, score_validation
@@ -101,10 +100,10 @@ def fit(
     training = Training(model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state)
     console.print(plan_line(cfg, len(train_set), steps_per_epoch, total_steps, accelerator.num_processes))
 
-    start = time.perf_counter()
+    start, first = time.perf_counter(), state.step + 1
     model.train()
-    with training.progress, StopSignals() as stop:
-        clock = TrainClock(state)
+    with progress("train", state.total_steps, "steps", state.step) as bar, StopSignals() as stop:
+        training.bar, clock = bar, TrainClock(state)
         while state.step < state.total_steps:
             for window in epoch_windows(training, loader, sampler):
                 step_loss, examples, tokens = 0.0, 0, 0
@@ -122,13 +121,17 @@ def fit(
                 scheduler.step()
                 optimizer.zero_grad()
                 state.count_step(len(window), examples, tokens, step_loss, finite=not nonfinite)
-                training.progress.update(0, completed=state.step)
+                bar.update(done=state.step)
                 if nonfinite:
                     log_skipped_step(training, step_loss / len(window), float(grad_norm))
 
                 if state.step % cfg.log_every == 0 or state.step == state.total_steps:
                     clock.lap()
                     log_train(training, grad_norm, state.step / steps_per_epoch)
+                elif (
+                    state.step == first
+                ):  # a slow run's first line comes long before its first log window ends
+                    first_step_line(training, step_loss / len(window), time.perf_counter() - start)
                 improved = False
                 if state.step % cfg.eval_every == 0 or state.step == state.total_steps:
                     with clock.paused():  # validation is not training time
@@ -150,7 +153,7 @@ def fit(
 @dataclass
 class Training:
     """What `fit()`'s helpers share: the prepared model, optimizer and scheduler, the run's settings, folder
-    and counters, and the progress bar."""
+    and counters, and the progress bar (`fit()` sets it)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -166,7 +169,7 @@ class Training:
     fingerprint: dict | None = field(init=False)
     """What every checkpoint is trained with, for a resume to compare (main process; config.yaml is final
     by now)."""
-    progress: Progress = field(init=False)
+    bar: Stage | None = None
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -174,7 +177,6 @@ class Training:
         self.fingerprint = (
             checkpoints.fingerprint(self.cfg, self.run.path, processes) if self.run.main else None
         )
-        self.progress = progress_bar(self.state)
 
 
 def optimizer_and_schedule(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
@@ -274,21 +276,6 @@ class TrainClock:
         self.mark = time.perf_counter()
 
 
-def progress_bar(state: TrainerState) -> Progress:
-    """The transient bar of optimizer steps (task 0), with the latest loss beside it."""
-    progress = Progress(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.description}"),
-        console=console,
-        transient=True,
-    )
-    progress.add_task("", total=state.total_steps, completed=state.step)
-    return progress
-
-
 def describe_shards(model: torch.nn.Module, accelerator: Accelerator) -> None:
     """Under FSDP, print how the model was sharded (shard groups by module type)."""
     if not accelerator.is_fsdp2:
@@ -344,11 +331,22 @@ def log_train(training: Training, grad_norm: torch.Tensor, epoch: float) -> None
     record = log_window(training, grad_norm, epoch)
     training.run.append_log(record)
     training.accelerator.log(scalars(record), step=training.state.step)
-    training.progress.update(0, description=f"loss {record['loss']:.4f}")
-    training.progress.console.print(
+    training.bar.update(note=f"loss {record['loss']:.4f}")
+    console.print(
         f"step {training.state.step:>5} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
         f"{record['examples_per_s']:.1f} ex/s {record['tokens_per_s']:.0f} tok/s | "
         + " ".join(f"{k[4:]} {v:.2f}G" for k, v in record.items() if k.startswith("mem_"))
+    )
+
+
+def first_step_line(training: Training, loss: float, seconds: float) -> None:
+    """The line after this process's first optimizer step, when it logs no window: that step's loss
+    (this process's micro-batches), how long it took, and what the rest will at that pace."""
+    state, every = training.state, training.cfg.log_every
+    left = duration(seconds * (state.total_steps - state.step))
+    console.print(
+        f"step {state.step:>5} | loss {loss:.4f} | {seconds:.1f} s for the first step: about {left} for the "
+        f"{state.total_steps - state.step} left; a line every {every} steps"
     )
 
 
@@ -378,9 +376,8 @@ def validate_and_keep_best(training: Training, val_set: Dataset, splits: Splits)
     """Validate, log it, keep RUN/best when the metric improved, and count towards early stopping; returns
     whether this step is the new best."""
     t, state, cfg = training, training.state, training.cfg
-    probs = evaluation_probs(
-        t.accelerator.unwrap_model(t.model), val_set, t.tokenizer, cfg, t.accelerator, t.objective
-    )
+    model = t.accelerator.unwrap_model(t.model)
+    probs = evaluation_probs(model, val_set, t.tokenizer, cfg, t.accelerator, t.objective, "validation")
     val = score_validation(probs, splits, cfg, t.run, state.step)
     improved = state.best_val is None or val[cfg.metric] > state.best_val[cfg.metric]
     record = {
@@ -392,7 +389,7 @@ def validate_and_keep_best(training: Training, val_set: Dataset, splits: Splits)
     }
     t.run.append_log(record)
     t.accelerator.log(scalars(record), step=state.step)
-    t.progress.console.print(
+    console.print(
         f"step {state.step:>5} | [bold]val accuracy {val['accuracy']:.4f} macro-F1 {val['macro_f1']:.4f}[/]"
         + ("  (best)" if improved else "")
     )
@@ -450,12 +447,6 @@ def agree(accelerator: Accelerator, flag: bool) -> bool:
     if accelerator.num_processes == 1:
         return flag
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "max"))
-
-
-class Interrupted(LoraclsError):
-    """Training stopped on SIGINT/SIGTERM after writing a checkpoint."""
-
-    exit_code = 130
 
 
 class StopSignals:

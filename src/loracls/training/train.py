@@ -22,7 +22,7 @@ from peft.utils import load_peft_weights
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
-from loracls.console import confusion_table, console, per_class_table
+from loracls.console import confusion_table, console, interrupted_at, per_class_table
 from loracls.data.labels import labels_line
 from loracls.data.prompts import parse_verbalizers, read_descriptions
 from loracls.data.splits import Splits, load_splits
@@ -32,7 +32,7 @@ from loracls.environment.devices import OFFLOAD_COST, mixed_precision, offload_i
 from loracls.environment.diagnosis import Facts, diagnose
 from loracls.environment.doctor import check_before_training, check_quantization, collect_facts
 from loracls.environment.micro_batch import micro_batch_size
-from loracls.errors import LoraclsError
+from loracls.errors import Interrupted, LoraclsError
 from loracls.files import disk_full, no_space, written_file
 from loracls.lora import TargetPlan, apply_lora, targets_line, targets_table
 from loracls.model import describe, load_tokenizer, resolve_model
@@ -50,7 +50,7 @@ from loracls.training.evaluate import (
     tune_thresholds,
     write_predictions_jsonl,
 )
-from loracls.training.fit import FitResult, Interrupted, accumulation, fit
+from loracls.training.fit import FitResult, accumulation, fit
 from loracls.training.report import build_report, read_jsonl
 from loracls.training.runs import RunFolder, default_out, environment, write_jsonl
 
@@ -233,9 +233,10 @@ def run_with_status(
         if run.main:  # after the status: the report says whether the run finished
             console.print(f"report: {build_report(run.path)}", soft_wrap=True)
     except (Interrupted, KeyboardInterrupt) as e:
-        message = str(e) if isinstance(e, Interrupted) else f"{e or 'KeyboardInterrupt'}: stopped while "
+        message = str(e) if isinstance(e, Interrupted) else f"{str(e) or 'KeyboardInterrupt'}: stopped while "
         if not isinstance(e, Interrupted):
-            message += f"{run.stage}; {next_step(run)}"
+            at = interrupted_at(e)  # where in the stage: "prompt search: candidate 7 of 20, ..."
+            message += run.stage + (f" ({at})" if at else "") + f"; {next_step(run)}"
         raise Interrupted(message + record_end(run, "interrupted", message)) from None
     except BaseException as e:
         if (no_space(e) or disk_full(run.path)) and not isinstance(e, LoraclsError):
@@ -460,10 +461,10 @@ def score_test_split(
     and write every prediction to RUN/test_predictions.jsonl."""
     thresholds = None
     if cfg.multi_label:
-        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective)
+        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective, "thresholds")
         thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
         run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
-    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective)
+    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective, "test")
     if run.main:
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)

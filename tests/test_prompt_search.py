@@ -1,0 +1,90 @@
+"""The prompt search's plan (what it costs, what `prompt_budget` cuts), the line before it and the table
+after it, on the tiny models' character tokenizer."""
+
+import math
+import re
+
+import pytest
+from rich.console import Console
+
+from loracls.config import TrainConfig
+from loracls.data.prompts import TEMPLATES, Prompt, format_verbalizers
+from loracls.model import load_causal_lm, load_tokenizer
+from loracls.training.baseline import PromptChoice, choose_prompt
+from loracls.training.prompt_search import UNSCORED, plan_search, prompt_table, search_line, within_budget
+from tests.conftest import toy_reviews
+
+LABELS = ["negative", "positive"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    path = str(tiny_models["llama"])
+    return load_causal_lm(path), load_tokenizer(path)
+
+
+def test_a_search_over_its_budget_scores_fewer_examples_then_fewer_candidates(llama):
+    """The character tokenizer reads every label word in its own forward pass: 2 a text for a template that
+    lists the options (3 word sets, 3 prompts), 6 for one that does not (its 3 word sets share a prompt)."""
+    model, tokenizer = llama
+    assert within_budget([2, 2, 2, 6, 6, 6, 6], 40, 2, 0) == (7, 40)  # no limit
+    assert within_budget([2, 2, 2, 6, 6, 6, 6], 40, 2, 30 * 40) == (7, 40)  # it fits
+    assert within_budget([2, 2, 2, 6, 6, 6, 6], 40, 2, 300) == (7, 10)  # a smaller sample fits
+    assert within_budget([2, 2, 2, 6, 6, 6, 6], 40, 2, 30) == (3, 4)  # 2 a label, 3 candidates fit
+
+    train = toy_reviews(60).assign(id=lambda t: t.index.astype(str))
+    whole = plan_search(tokenizer, train, LABELS, TrainConfig(prompt_sample=40, prompt_budget=0))
+    assert whole.passes == [2, 2, 2, 6, 6, 6, 6] and whole.cut() == ""
+    per_text = sum(whole.tokens)  # each pass reads the prompt and the text, 20 characters and more
+    assert per_text > 30 * 20 and whole.total(whole.tokens) == round(per_text * 40)
+    smaller = plan_search(
+        tokenizer, train, LABELS, TrainConfig(prompt_sample=40, prompt_budget=math.ceil(per_text * 10))
+    )
+    assert (smaller.sample, smaller.scored()) == (10, 15) and smaller.cut().startswith(
+        "10 of 40 examples to fit"
+    )
+
+    budget = math.ceil(
+        sum(whole.tokens[:3]) * 4
+    )  # the three prompts that list the options, on 2 texts a label
+    cfg = TrainConfig(prompt_sample=40, prompt_budget=budget)
+    plan = plan_search(tokenizer, train, LABELS, cfg)
+    assert (plan.sample, plan.scored(), plan.total(plan.passes)) == (4, 3, 12)
+    line = " ".join(search_line(plan, cfg, wants_baseline=False).split())
+    assert "scoring 3 candidate prompts on 4 training examples (12 prompts, " in line
+    assert (
+        f"cut to 4 of 40 examples and 12 candidates left unscored to fit --prompt-budget {budget:,} tokens)"
+        in line
+    )
+    choice = choose_prompt(model, tokenizer, train, LABELS, cfg, plan)
+    assert choice.sample == 4 and sum("macro_f1" in row for row in choice.candidates) == 3
+    assert [row.get("skipped") for row in choice.candidates[3:]] == [UNSCORED] * 12
+
+
+def test_the_prompt_table_shows_the_best_few_and_the_chosen_one_briefly():
+    """Ten labels that are their own words in 20 candidates: the old one-line list repeated every label's
+    `name=name` in each; the table shows the best five, `the label names`, and says where all of them are."""
+    labels = ["书籍", "平板", "手机", "水果", "洗发水", "热水器", "蒙牛", "衣服", "计算机", "酒店"]
+    names = format_verbalizers({label: label for label in labels})
+    rows = [
+        {
+            "template": f"zh-{n}",
+            "verbalizers": names if n % 2 else format_verbalizers({label: f"类{label}" for label in labels}),
+            **{"accuracy": n / 40, "macro_f1": n / 40, "kappa": n / 50, "gold_log_prob": -1.0},
+        }
+        for n in range(20)
+    ]
+    prompt = Prompt("zh-19", TEMPLATES["zh-label"], {label: label for label in labels}, labels)
+    choice = PromptChoice(prompt, rows, 128)
+    recorder = Console(record=True, width=160)
+    recorder.print(prompt_table(choice.prompt, choice.candidates, choice.sample))
+    shown = recorder.export_text()
+    said = " ".join(shown.split())
+    assert "prompt: chose zh-19 (the label names) by zero-shot macro-F1 on 128 training examples" in said
+    assert "the best 5 of 20 candidates (all of them in prompt.json)" in said
+    best = ["zh-19", "zh-18", "zh-17", "zh-16", "zh-15"]
+    assert re.findall(r"zh-\d+", shown) == ["zh-19", *best]  # the title's, then the rows'
+    marked = [line for line in shown.splitlines() if "chosen" in line]
+    assert len(marked) == 1 and "zh-19" in marked[0] and "the label names" in marked[0]
+    assert "书籍=书籍" not in shown and "书籍=类书籍,平板=类平板,手机=类手机," in shown
+    assert len(shown) < 1500 and choice.to_json()["candidates"] == rows  # prompt.json keeps all 20
