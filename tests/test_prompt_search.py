@@ -24,8 +24,9 @@ def llama(tiny_models):
 
 
 def test_a_search_over_its_budget_scores_fewer_examples_then_fewer_candidates(llama):
-    """The character tokenizer reads every label word in its own forward pass: 2 a text for a template that
-    lists the options (3 word sets, 3 prompts), 6 for one that does not (its 3 word sets share a prompt)."""
+    """Every candidate group reads a text's prompt once (the words' later tokens ride on its cache): 7 groups,
+    the 3 word sets of a template that lists the options (3 prompts) and 4 templates that do not (each one
+    prompt for its 3 word sets); the character tokenizer makes every word several tokens, counted too."""
     model, tokenizer = llama
     assert within_budget([2, 2, 2, 6, 6, 6, 6], 40, 2, 0) == (7, 40)  # no limit
     assert within_budget([2, 2, 2, 6, 6, 6, 6], 40, 2, 30 * 40) == (7, 40)  # it fits
@@ -34,9 +35,9 @@ def test_a_search_over_its_budget_scores_fewer_examples_then_fewer_candidates(ll
 
     train = toy_reviews(60).assign(id=lambda t: t.index.astype(str))
     whole = plan_search(tokenizer, train, LABELS, TrainConfig(prompt_sample=40, prompt_budget=0))
-    assert whole.passes == [2, 2, 2, 6, 6, 6, 6] and whole.cut() == ""
-    per_text = sum(whole.tokens)  # each pass reads the prompt and the text, 20 characters and more
-    assert per_text > 30 * 20 and whole.total(whole.tokens) == round(per_text * 40)
+    assert whole.passes == [1] * 7 and whole.cut() == ""
+    per_text = sum(whole.tokens)  # each group reads the prompt and the text, 20 characters and more
+    assert per_text > 7 * 20 and whole.total(whole.tokens) == round(per_text * 40)
     smaller = plan_search(
         tokenizer, train, LABELS, TrainConfig(prompt_sample=40, prompt_budget=math.ceil(per_text * 10))
     )
