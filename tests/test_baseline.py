@@ -27,6 +27,7 @@ from loracls.training.baseline import (
     calibrate,
     choose_prompt,
     draw_shots,
+    kappa_standard_error,
     label_log_probs,
     run_baseline,
 )
@@ -380,3 +381,13 @@ def test_the_baseline_command_interrupted_says_where_and_that_nothing_was_writte
     said = r"interrupted during baseline: the texts, 0 of \d+ prompts; nothing was written"
     assert re.search(said, stderr), stderr
     assert not out.exists()
+
+
+def test_the_kappas_standard_error_is_cohens_large_sample_formula():
+    gold = np.array([0, 1] * 50)
+    predicted = gold.copy()
+    predicted[:20] = 1 - predicted[:20]  # 80 of 100 right, both labels predicted half the time
+    # p_o 0.8, p_e 0.5: sqrt(0.8 * 0.2 / (100 * 0.25)) = 0.08
+    assert kappa_standard_error(gold, predicted, 2) == pytest.approx(0.08)
+    # a quarter of the texts: twice as unsure
+    assert kappa_standard_error(gold[:25], predicted[:25], 2) > 1.5 * 0.08

@@ -238,6 +238,9 @@ def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_mo
     assert f"head_init: {decided}" in (out / "config.yaml").read_text()
     said = " ".join(result.output.split())
     assert f"head_init auto: {decided}" in said
+    # how sure the choice is: the kappa's 90% interval from the sample, and whether chance is inside it
+    assert re.search(r"Cohen's kappa [\d.-]+ \(90% interval [\d.-]+ to [\d.-]+ from \d+ examples", said), said
+    assert ("within noise of chance" in said) == (not knows)
     # why the search runs although the baseline is off, and what skips it
     searched = r"prompt: scoring \d+ candidate prompts on \d+ training examples "
     searched += r"\([\d,]+ prompts, [\d,]+ tokens\), for the head's start "

@@ -134,8 +134,8 @@ class PromptChoice:
         row = self.chosen()
         return (
             f"the prompt's zero-shot answers on {self.sample} training examples: accuracy "
-            f"{row['accuracy']:.3f} (majority label {self.majority:.3f}), Cohen's kappa {row['kappa']:.3f}; "
-            f"{PROMPT_KAPPA} needed"
+            f"{row['accuracy']:.3f} (majority label {self.majority:.3f}), Cohen's kappa {row['kappa']:.3f}"
+            f"{sureness(row, self.sample)}; {PROMPT_KAPPA} needed"
         )
 
     def to_json(self) -> dict:
@@ -146,6 +146,25 @@ class PromptChoice:
             "majority": self.majority,
             "candidates": self.candidates,
         }
+
+
+def kappa_standard_error(gold: np.ndarray, predicted: np.ndarray, classes: int) -> float:
+    """The large-sample standard error of Cohen's kappa, sqrt(p_o (1 - p_o) / (n (1 - p_e)^2)) (Cohen 1960):
+    how far another sample of as many texts could move it."""
+    observed = float((gold == predicted).mean())
+    chance = float(sum(np.mean(gold == c) * np.mean(predicted == c) for c in range(classes)))
+    if chance >= 1.0:
+        return 0.0
+    return float(np.sqrt(observed * (1 - observed) / (len(gold) * (1 - chance) ** 2)))
+
+
+def sureness(row: dict, sample: int) -> str:
+    """How sure a candidate's kappa is, in words: its 90% interval from the sample (none where not stored)."""
+    if "kappa_se" not in row:
+        return ""
+    low, high = row["kappa"] - 1.645 * row["kappa_se"], row["kappa"] + 1.645 * row["kappa_se"]
+    noise = "; within noise of chance" if low <= 0 else ""
+    return f" (90% interval {low:.2f} to {high:.2f} from {sample} examples{noise})"
 
 
 def choose_prompt(
@@ -194,6 +213,7 @@ def choose_prompt(
                 rows[n] |= {
                     **summary(sample, probs, labels),
                     "kappa": round(float(np.nan_to_num(kappa)), 4),
+                    "kappa_se": round(kappa_standard_error(gold, probs.argmax(1), len(labels)), 4),
                     "gold_log_prob": round(gold_log_prob, 4),
                 }
                 scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
