@@ -42,7 +42,7 @@ def test_a_kernel_error_and_a_hang_become_diagnoses():
 def test_doctor_command_on_this_machine(monkeypatch):
     result = invoke("doctor", "--json")
     assert result.exit_code == 0, result.output
-    payload = json.loads(result.output)
+    payload = json.loads(result.stdout)
     assert payload["can_train"] and payload["smoke_test"]["ok"] and payload["facts"]["torch"]
     assert payload["memory"]["free_gb"]["cpu"] > 0
 

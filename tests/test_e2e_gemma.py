@@ -185,7 +185,7 @@ def test_instruction_tuning_with_comments_on_real_reviews(tmp_path):
     texts = list(splits.test["text"][:4])
     result = CliRunner().invoke(app, ["predict", str(out), *texts, "--generate", "--max-new-tokens", "24"])
     assert result.exit_code == 0, result.output
-    records = [json.loads(line) for line in result.output.splitlines()]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
     words = RunFolder(out).read_config().verbalizers  # {label: word}, as config.yaml stores it
     answered = [r["response"].split("\n")[0].strip() == words[r["label"]] for r in records]
     assert sum(answered) >= 3, records  # the label's word first, as trained

@@ -62,7 +62,7 @@ def run(trained, tmp_path):
 def predictions(*args) -> list[dict]:
     result = invoke("predict", *args, *TEXTS)
     assert result.exit_code == 0, result.output
-    return [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def test_int8_is_checked_once_against_fp32_and_agrees_through_predict_eval_and_export(run, tmp_path):

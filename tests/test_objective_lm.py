@@ -158,7 +158,7 @@ def test_eval_predict_generate_and_export_of_an_lm_run(lm_run, tmp_path):
     texts = ["good story", "awful plot and bad", "love it"]
     result = invoke("predict", lm_run, *texts, "--generate", "--max-new-tokens", "12")
     assert result.exit_code == 0, result.output
-    records = [json.loads(x) for x in result.output.splitlines()]
+    records = [json.loads(x) for x in result.stdout.splitlines()]
     assert all(r["label"] in LABELS for r in records)
 
     export = tmp_path / "export"
