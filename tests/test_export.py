@@ -3,11 +3,12 @@
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
 import loracls
 from loracls.errors import LoraclsError
@@ -17,7 +18,7 @@ from loracls.inference.predict import Classifier
 from loracls.inference.serve import describe_model
 from loracls.model import load_classifier, load_tokenizer
 from loracls.training.runs import RunFolder
-from tests.conftest import FAMILIES, invoke
+from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 
 TEXTS = ["good story", "awful plot, very long and bad", "love"]
 WITH_TRANSFORMERS_CLASS = ("gemma3", "llama", "qwen3")
@@ -222,3 +223,50 @@ def test_export_shows_its_steps_and_an_interrupt_leaves_nothing(quick_run, tmp_p
     where = "interrupted during export: the reload check (loading it as users will), 3 of 4 steps; "
     assert where + "nothing was written (the partial export folder was removed)" in said
     assert not again.exists() and not (tmp_path / "again.partial").exists()
+
+
+@pytest.fixture(scope="module")
+def prompted_exports(tiny_models, tmp_path_factory) -> dict:
+    """A run per family whose head starts from the prompt (`head_init: verbalizer`), exported: (export
+    folder, the export command's output)."""
+    root = tmp_path_factory.mktemp("prompted")
+    data = root / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    exports = {}
+    for family, model in tiny_models.items():
+        args = ("--head-init", "verbalizer", "--prompt", "en-label", "--no-baseline")
+        result = invoke("train", "--model", model, "--data", data, "--out", root / family, *FAST, *args)
+        assert result.exit_code == 0, result.output
+        result = invoke("export", root / family, "--out", root / f"{family}-export")
+        assert result.exit_code == 0, result.output
+        exports[family] = (root / f"{family}-export", result.output)
+    return exports
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_plain_pipeline_on_raw_texts_answers_as_loracls_predict(prompted_exports, family):
+    """The export's tokenizer puts the run's prompt around a raw text, so transformers' `pipeline` (and any
+    consumer that tokenises with special tokens) gives loracls's labels and probabilities."""
+    folder, output = prompted_exports[family]
+    assert "its tokenizer puts the run's prompt around every text ('Text: ' + text + '\\nLabel:')" in output
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    assert info["tokenizer_adds_prompt"] and info["prompt"]["prefix"] == "Text: "
+    texts = list(toy_reviews(40, seed=3)["text"]) + ["", "good " * 40]  # an empty one, one over max_length
+    classifier = Classifier.load(folder)
+    probs = classifier.predict_probs(texts)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert "Text: good story\nLabel:" in tokenizer.decode(tokenizer("good story")["input_ids"])
+    assert tokenizer("good story")["input_ids"] == classifier.prompter.encode(["good story"])[0]
+    if family in WITH_TRANSFORMERS_CLASS:
+        model = AutoModelForSequenceClassification.from_pretrained(folder)
+    else:
+        model = loracls.from_pretrained(str(folder))
+    classify = pipeline("text-classification", model=model, tokenizer=tokenizer, top_k=None, device="cpu")
+    added = len(tokenizer("")["input_ids"])  # the prompt's ids: truncation cuts the text alone
+    # the long text: plain transformers reads all of it unless told to cut, loracls its first 64 tokens
+    theirs = classify(texts[:-1]) + classify(texts[-1:], truncation=True, max_length=64 + added)
+    assert all(len(t) == len(classifier.labels) for t in theirs)
+    scores = [{x["label"]: x["score"] for x in t} for t in theirs]
+    got = np.array([[row[label] for label in classifier.labels] for row in scores])
+    assert (got.argmax(1) == probs.argmax(1)).all()
+    np.testing.assert_allclose(got, probs, atol=1e-3)

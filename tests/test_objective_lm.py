@@ -190,16 +190,14 @@ def test_int8_reads_an_lm_run_as_fp32_does(lm_run, tmp_path):
 
 
 def plain_transformers_labels(export, texts: list[str]) -> list[str]:
-    """An `objective: lm` export read as README's Export says, with transformers alone: each text's label
+    """An `objective: lm` export read as docs/serving.md says, with transformers alone: each text's label
     is the one whose tokens are likeliest after the prompt."""
     info = json.loads((export / "loracls.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(export).eval()
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    prompt = info["prompt"]
+    tokenizer = AutoTokenizer.from_pretrained(export)  # it puts the run's prompt around each text
     labels = []
     for text in texts:
-        ids = tokenizer(prompt["prefix"] + text + prompt["suffix"], add_special_tokens=not prompt["chat"])
-        ids = ids["input_ids"]
+        ids = tokenizer(text)["input_ids"]
         scores = {}
         for label, words in info["label_tokens"].items():
             with torch.no_grad():
@@ -212,14 +210,11 @@ def plain_transformers_labels(export, texts: list[str]) -> list[str]:
 def plain_transformers_responses(export, texts: list[str], max_new_tokens: int) -> list[str]:
     """What the merged export says after each text's prompt, by transformers' greedy `generate` (in the
     precision `predict` autocasts to on this CPU), special tokens dropped."""
-    info = json.loads((export / "loracls.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     tokenizer = AutoTokenizer.from_pretrained(export)
-    prompt = info["prompt"]
     responses = []
     for text in texts:
-        ids = tokenizer(prompt["prefix"] + text + prompt["suffix"], add_special_tokens=not prompt["chat"])
-        ids = torch.tensor([ids["input_ids"]])
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
         with torch.no_grad(), inference_autocast(torch.device("cpu")):
             out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
         responses.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())

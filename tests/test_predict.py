@@ -7,6 +7,7 @@ import re
 import signal
 
 import pandas as pd
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -96,15 +97,15 @@ def test_eval_prints_plain_lines_to_a_log(quick_run, log_file):
     )
 
 
-def test_an_interrupted_predict_says_where_and_writes_nothing(quick_run, tmp_path):
-    """A real SIGINT during the first batch: exit 130 with where it stopped, instead of click's `Aborted!`."""
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_predict_says_where_and_writes_nothing(quick_run, tmp_path, number):
+    """A real SIGINT (Ctrl-C) or SIGTERM (`kill`) during the first batch: exit 130 with where it stopped,
+    instead of click's `Aborted!` or a silent exit."""
     from tests.test_runs import signal_during
 
     out = tmp_path / "predictions.jsonl"
     args = ["predict", quick_run, "good story", "awful plot", "--output", out]
-    code, stderr = signal_during(
-        "ClassificationHead.probs", signal.SIGINT, args, tmp_path, "loracls.objective"
-    )
+    code, stderr = signal_during("ClassificationHead.probs", number, args, tmp_path, "loracls.objective")
     assert code == 130 and "Traceback" not in stderr and "Aborted" not in stderr
     assert "interrupted during predict: 0 of 2 examples; nothing was written" in stderr
     assert not out.exists()

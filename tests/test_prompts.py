@@ -5,9 +5,11 @@ import json
 
 import pytest
 import yaml
+from tokenizers import processors
 
 from loracls.config import PromptConfig, TrainConfig
 from loracls.data.prompts import (
+    Prompter,
     candidate_prompts,
     language_note,
     pin_prompt,
@@ -17,7 +19,7 @@ from loracls.data.prompts import (
     text_language,
 )
 from loracls.errors import LoraclsError
-from tests.conftest import FAST, invoke, toy_reviews
+from tests.conftest import FAST, char_tokenizer, invoke, toy_reviews
 
 ODD = ["a,b", "x=y", "1,000+"]
 """Labels with the characters the old `label=word,...` string split at."""
@@ -212,3 +214,31 @@ def test_a_run_scores_its_label_descriptions_and_keeps_them_in_its_config(tiny_m
                  "--label-descriptions", described)  # fmt: skip
     assert bad.exit_code == 2 and "not a label of the data: ['positiv']" in " ".join(bad.output.split())
     assert not (tmp_path / "bad").exists()  # refused before a run folder or a model
+
+
+def test_a_prompter_puts_the_prompts_ids_around_the_texts_own_and_an_export_keeps_them():
+    """The prompt's prefix and suffix are tokenised apart from the text (what an export's tokenizer adds to
+    any text), the tokenizer's own special tokens first; the text alone is cut to max_length."""
+    tokenizer = char_tokenizer()
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", bos)]
+    )
+    prompt = resolve_prompt(["negative", "positive"], [], PromptConfig(prompt="en-label"))
+    prompter = Prompter(tokenizer, prompt, [], 5, answer_start=[7])
+    before, after = prompter.around()
+    assert before[0] == bos and tokenizer.decode(before[1:]) == "Text: "
+    assert tokenizer.decode(after[:-1]) == "\nLabel:" and after[-1] == 7
+    own = tokenizer("abcdefgh", add_special_tokens=False)["input_ids"]
+    assert prompter.encode(["abcdefgh", "ab"]) == [before + own[:5] + after, before + own[:2] + after]
+    joined = Prompter(tokenizer, prompt, [], 5, answer_start=[7], pieces=False)
+    assert joined.encode(["abcdefgh"]) == prompter.encode(["abcdefgh"])  # one token a character: the same
+
+    stored = Prompter.from_json(tokenizer, json.loads(json.dumps(prompter.to_json())), 5)
+    assert stored.fixed == (before, after) and stored.pieces
+    expected = prompter.encode(["abcdefgh"])
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+    assert prompter.encode(["abcdefgh"]) != expected  # recomputed: no <bos> now
+    assert stored.encode(["abcdefgh"]) == expected  # the ids it recorded, not recomputed
+    older = {k: v for k, v in prompter.to_json().items() if k not in ("prefix_ids", "suffix_ids")}
+    assert not Prompter.from_json(tokenizer, older, 5).pieces  # an export that read the joined string

@@ -361,7 +361,7 @@ def export(
 ) -> None:
     """Write a standalone classifier (LoRA merged; loads with plain transformers; an `objective: lm` run: a
     causal LM) or the adapter alone."""
-    from loracls.inference.export_format import read_export_info
+    from loracls.inference.export_format import read_export_info, reads_texts
 
     try:
         check_run_folder(run_dir)
@@ -380,6 +380,7 @@ def export(
         console.print(f"note: LoRA merged into {merged_into}", soft_wrap=True)
     if info.get("int8"):
         console.print(int8_line(info["int8"]), soft_wrap=True)
+    console.print(reads_texts(info), soft_wrap=True, highlight=False)
 
 
 @app.command(cls=HelpCommand)

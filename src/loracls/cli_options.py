@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import signal
+import threading
 import typing
 from dataclasses import Field, fields
 from pathlib import Path
@@ -226,18 +228,29 @@ def fail(error: LoraclsError) -> None:
 
 
 def stops_cleanly(kept: str):
-    """A command that Ctrl-C (SIGINT) ends with exit code 130 and a line saying where it stopped (the stage
-    in progress, `interrupted_at`) and what was kept (`kept`), instead of click's bare `Aborted!`."""
+    """A command that Ctrl-C (SIGINT) or SIGTERM (a job scheduler, `kill`, `docker stop`) ends with exit code
+    130 and a line saying where it stopped (the stage in progress, `interrupted_at`) and what was kept
+    (`kept`), instead of click's bare `Aborted!` or a silent death."""
 
     def decorate(command):
         @functools.wraps(command)
         def run(*args, **kwargs):
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGTERM, as_interrupt) if main else None
             try:
                 return command(*args, **kwargs)
             except KeyboardInterrupt as e:
                 at = interrupted_at(e)
                 fail(Interrupted(f"interrupted{f' during {at}' if at else ''}; {kept}"))
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
 
         return run
 
     return decorate
+
+
+def as_interrupt(number: int, frame) -> None:
+    """SIGTERM handled as Ctrl-C is: the stage in progress records where it stopped, outputs are not left."""
+    raise KeyboardInterrupt

@@ -383,8 +383,8 @@ def from_pretrained(path: str, **kwargs) -> PreTrainedModel:
 
     Exports of families transformers covers load without loracls; a Gemma 4 export needs this call (or
     `generic_classifier_class(type(config))` once before the Auto call). An export whose `loracls.json` has
-    a `prompt` reads each text as `prefix + text + suffix`, tokenised, followed by the `answer_start` ids
-    (`loracls.inference.predict.Classifier.load` does it for you).
+    a `prompt` reads each text inside it: the export's tokenizer adds it to any raw text
+    (`loracls.inference.export.prompt_in_tokenizer`).
     """
     classifier_class(AutoConfig.from_pretrained(path, **kwargs))
     return AutoModelForSequenceClassification.from_pretrained(path, **kwargs)

@@ -355,6 +355,17 @@ def part_on_first_token(following: list[list[int]]) -> bool:
     return len(set(first)) == len(first)
 
 
+def special_tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The special tokens `tokenizer` adds before and after a text's own (Gemma and Llama a `<bos>` before,
+    Qwen none)."""
+    own = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x")["input_ids"]
+    for start in range(len(full) - len(own) + 1):
+        if full[start : start + len(own)] == own:
+            return full[:start], full[start + len(own) :]
+    raise LoraclsError(f"{type(tokenizer).__name__} changes a text's own tokens when it adds special tokens")
+
+
 @dataclass
 class Prompter:
     """Turns texts into prompt token ids, with the prompt and the shots fixed."""
@@ -368,6 +379,12 @@ class Prompter:
     """Token ids appended after each prompt: the start every label's verbaliser shares (`answer_tokens`)."""
     chat: bool = False
     """The prompt is the user's turn of the tokenizer's chat template, the answer starts the model's turn."""
+    pieces: bool = True
+    """The prompt's prefix, the text and its suffix are tokenised apart and joined as ids (`around`), as an
+    export's tokenizer adds the prompt to any text (`inference.export.prompt_in_tokenizer`); False: the
+    joined string is tokenised, as exports without `prefix_ids` in their prompt read texts."""
+    fixed: tuple[list[int], list[int]] | None = None
+    """The ids before and after every text's own, as an export recorded them (None: from the prompt)."""
 
     def render(self, text: str, order: list[str] | None = None) -> str:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -386,21 +403,52 @@ class Prompter:
         (token ids; usually none)."""
         prefix, _, suffix = self.render("\0").partition("\0")
         value = {**self.prompt.to_json(), "answer_start": self.answer_start, "chat": self.chat}
-        return value | {"prefix": prefix, "suffix": suffix}
+        value |= {"prefix": prefix, "suffix": suffix}
+        if self.pieces:
+            before, after = self.around()
+            value |= {"prefix_ids": before, "suffix_ids": after}
+        return value
 
     @classmethod
     def from_json(cls, tokenizer: PreTrainedTokenizerBase, value: dict, max_length: int) -> Prompter:
+        """The prompter an export recorded; one with `prefix_ids` reads texts between those ids."""
         prompt = Prompt.from_json(value)
+        pieces = "prefix_ids" in value
         return cls(
-            tokenizer, prompt, [], max_length, list(value.get("answer_start", [])), value.get("chat", False)
+            tokenizer,
+            prompt,
+            [],
+            max_length,
+            list(value.get("answer_start", [])),
+            value.get("chat", False),
+            pieces,
+            (list(value["prefix_ids"]), list(value["suffix_ids"])) if pieces else None,
         )
 
+    def around(self, order: list[str] | None = None) -> tuple[list[int], list[int]]:
+        """The token ids before each text's own (the tokenizer's leading special tokens unless `chat`: its
+        template writes them; the prompt's prefix) and after it (the suffix, trailing special tokens, then
+        `answer_start`)."""
+        if self.fixed is not None and order is None:
+            return self.fixed
+        prefix, _, suffix = self.render("\0", order).partition("\0")
+        before, after = ([], []) if self.chat else special_tokens_around(self.tokenizer)
+        return before + self.piece(prefix), self.piece(suffix) + after + self.answer_start
+
+    def piece(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
     def encode(self, texts: list[str], order: list[str] | None = None) -> list[list[int]]:
-        return [
-            self.tokenizer(self.render(text, order), add_special_tokens=not self.chat)["input_ids"]
-            + self.answer_start
-            for text in texts
-        ]
+        """Each text's ids inside the prompt, the text cut to `max_length` tokens (never the prompt)."""
+        if not self.pieces:
+            return [
+                self.tokenizer(self.render(text, order), add_special_tokens=not self.chat)["input_ids"]
+                + self.answer_start
+                for text in texts
+            ]
+        before, after = self.around(order)
+        own = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
+        return [before + ids[: self.max_length] + after for ids in own]
 
     def label_tokens(self) -> dict[str, list[int]]:
         """Each label's word as the tokens that follow the prompt (`verbalizer_tokens`; in a chat, the start

@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer, processors
+from transformers import AutoTokenizer
 
 from loracls.console import progress
+from loracls.data.prompts import Prompter
 from loracls.environment.cpu import check_int8_cpu
 from loracls.environment.doctor import package_version
 from loracls.environment.micro_batch import eval_batch_size
@@ -37,7 +40,9 @@ def export_run(
     interrupted export never leaves a folder that looks usable. `loracls.json` (`EXPORT_INFO`) records what
     `Classifier.from_export` needs: labels, max_length, batch size, text column, base model, whether LoRA is
     merged (and into what), thresholds, and for a verbaliser-initialised run the prompt: its `prefix` +
-    text + `suffix` is what the classifier reads (the text cut to max_length tokens first). An
+    text + `suffix` is what the classifier reads (the text cut to max_length tokens first), and the saved
+    tokenizer adds it to any text by itself (`prompt_in_tokenizer`), so raw texts are read as loracls reads
+    them by `pipeline`, vLLM or any script that tokenises with special tokens (the default). An
     `objective: lm` run exports a causal LM (`AutoModelForCausalLM`) with `objective: "lm"` and each label's
     `label_tokens`: a text's class is the label whose tokens are likeliest after its prompt.
 
@@ -57,6 +62,7 @@ def export_run(
         if adapter_only:
             shutil.copytree(run.best, tmp, dirs_exist_ok=True)
             prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels)
+            in_tokenizer = prompter is not None and prompt_in_tokenizer(tmp, prompter)
         else:
             with progress("export", 4, "steps") as stage:
                 stage.update(at="merging LoRA into the base")
@@ -66,12 +72,13 @@ def export_run(
                 stage.update(1, at="saving the merged model")
                 classifier.model.save_pretrained(tmp)
                 classifier.tokenizer.save_pretrained(tmp)
+                prompter = classifier.prompter
+                in_tokenizer = prompter is not None and prompt_in_tokenizer(tmp, prompter)
                 stage.update(2, at="checking its files")
                 verify_export(tmp, labels, cfg.objective)
                 stage.update(3, at="the reload check (loading it as users will)")
                 check_reload(tmp, classifier)
                 stage.update(4)
-            prompter = classifier.prompter
         int8_check = None
         if int8:  # the merged fp32 classifier just saved, quantised in place: not loaded a second time
             checked = (
@@ -98,6 +105,7 @@ def export_run(
                 else None,
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
                 "prompt": prompter.to_json() if prompter else None,
+                "tokenizer_adds_prompt": in_tokenizer,
                 "objective": cfg.objective,
                 "label_tokens": objective_kind(cfg.objective).label_tokens(prompter),
                 "int8": int8_check,
@@ -106,6 +114,59 @@ def export_run(
         )
         share_as_umask_allows(tmp)
     return out
+
+
+PROMPT_PARTS = ("LORACLS_PROMPT_PREFIX", "LORACLS_PROMPT_SUFFIX")
+"""The names the saved tokenizer's post-processor gives the prompt's ids before and after the text."""
+
+
+def prompt_in_tokenizer(folder: Path, prompter: Prompter) -> bool:
+    """Make the tokenizer saved in `folder` read every text as `prompter` does: its post-processor (a
+    `TemplateProcessing`, whose special tokens may hold several ids) puts the prompt's ids
+    (`Prompter.around`: the special tokens, the prefix; the suffix) around the text's own whenever special
+    tokens are added, which is what `tokenizer(text)`, `pipeline`, vLLM and text-embeddings-inference do.
+    Truncation by the tokenizer cuts the text and keeps the prompt.
+
+    transformers rebuilds a post-processor from `add_bos_token`/`add_eos_token` when the tokenizer's config
+    names them, so those two keys are dropped (the prompt's ids hold the special tokens already).
+
+    False, and the tokenizer left as it was, when it has no `tokenizer.json` (a slow tokenizer): its
+    users must put the prompt around each text themselves (`loracls.json`'s `prompt`)."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return False
+    before, after = prompter.around()
+    backend = Tokenizer.from_file(str(file))
+    single = " ".join([PROMPT_PARTS[0]] * bool(before) + ["$A"] + [PROMPT_PARTS[1]] * bool(after))
+    backend.post_processor = processors.TemplateProcessing(
+        single=single,
+        pair=f"{single} $B:1",
+        special_tokens=[
+            {"id": name, "ids": ids, "tokens": [backend.id_to_token(i) for i in ids]}
+            for name, ids in zip(PROMPT_PARTS, (before, after), strict=True)
+            if ids
+        ],
+    )
+    backend.save(str(file))
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    for key in ("add_bos_token", "add_eos_token"):
+        config.pop(key, None)
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    check_tokenizer(folder, prompter)
+    return True
+
+
+def check_tokenizer(folder: Path, prompter: Prompter) -> None:
+    """Load the tokenizer saved in `folder` as users do and check that raw texts come out as `prompter`
+    reads them."""
+    probe = ["a short text", "a somewhat longer text to classify, with 标点 and digits 42"]
+    got = AutoTokenizer.from_pretrained(str(folder))(probe)["input_ids"]
+    if got != prompter.encode(probe):
+        raise LoraclsError(
+            f"Export to {folder} failed its tokenizer check: the saved tokenizer does not put the run's "
+            f"prompt around a text as the run read it (ids {got[0]} against {prompter.encode(probe)[0]})"
+        )
 
 
 def verify_export(folder: Path, labels: list[str], objective: str = "head") -> None:

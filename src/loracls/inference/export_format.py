@@ -28,3 +28,21 @@ def folder_kind(path: Path) -> Literal["run", "export"]:
     if (Path(path) / EXPORT_INFO).is_file():
         return "export"
     raise LoraclsError(f"{path} is neither a loracls run folder nor a loracls export folder")
+
+
+def reads_texts(info: dict) -> str:
+    """How an export reads a text, for its users: inside the run's prompt that its tokenizer adds, or not."""
+    prompt = info.get("prompt")
+    if not prompt:
+        return "it reads each text as it is (no prompt)"
+    shown = f"{shortened(prompt['prefix'])} + text + {shortened(prompt['suffix'])}"
+    if info.get("tokenizer_adds_prompt"):
+        return (
+            f"its tokenizer puts the run's prompt around every text ({shown}): give it raw texts, in "
+            "transformers' pipeline, vLLM or loracls predict alike"
+        )
+    return f"note: its tokenizer is a slow one and cannot add the prompt; tokenize {shown} yourself"
+
+
+def shortened(text: str, width: int = 40) -> str:
+    return repr(text if len(text) <= width else "..." + text[-width:])
