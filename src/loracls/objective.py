@@ -24,6 +24,7 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from loracls.config import TrainConfig
 from loracls.data.prompts import Prompt, Prompter, answer_tokens, part_on_first_token, resolve_prompt
@@ -366,7 +367,7 @@ def label_log_probs(
         )
         scores[batch] += torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()[:, firsts].numpy()
         if later.rows:
-            scores[batch] += later.score(model, out.cache, attention_mask.to(device))
+            scores[batch] += later.score(model, getattr(out, CACHE), attention_mask.to(device))
         if advance is not None:
             advance(len(batch))
     return scores
@@ -441,8 +442,8 @@ class Continuations:
                 input_ids=ids,
                 attention_mask=torch.cat([attention_mask[which], torch.ones_like(ids)], dim=1),
                 position_ids=(lengths[which][:, None] + torch.arange(width, device=device)[None, :]),
-                cache=chunk_cache,
                 use_cache=True,
+                **{CACHE: chunk_cache},
             ).logits
             logits = logits.float()
             normaliser = torch.logsumexp(logits, dim=-1)  # (rows, width): log_softmax without its copy
@@ -451,6 +452,11 @@ class Continuations:
                 picked = logits[n, positions, targets] - normaliser[n, positions]
                 np.add.at(scores[i], labels, picked.cpu().numpy())
         return scores
+
+
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+"""The key/value cache's name in a model's call and output: `cache` since transformers 5.2x renamed it,
+`past_key_values` in the 5.x releases before (a GPU box's image held 5.17)."""
 
 
 OBJECTIVES: dict[str, type[ClassificationHead] | type[LanguageModel]] = {
