@@ -4,7 +4,7 @@
 
 What it needs is what such a box has: Python with torch, transformers, peft, accelerate, typer, rich,
 scikit-learn, pandas and matplotlib, no package index and no model hub. loracls runs from `src/` (not
-installed); the missing wheels (`datasets` and its pyarrow, dill, multiprocess, xxhash: about 55 MB) are
+installed); the missing wheels (`datasets`, dill and multiprocess: under 1 MB; the box's own pyarrow) are
 unpacked from `.whl/` when present (`bash scripts/gpu_wheels.sh` fills it on a machine with PyPI; carry it
 along). The model is Gemma 3 270M's shape with random weights (speed and memory depend on shapes, not
 weights) and a one-character-per-token tokenizer; the data is a keyword-decided toy task that a working
@@ -20,6 +20,7 @@ bf16 GEMM peak and the training runs' share of it (MFU). On a GPU sized for well
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ import time
 import traceback
 import zipfile
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,6 +144,10 @@ def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
         "best_val_accuracy": metrics["best_val"]["accuracy"],
         "train": metrics["train"],
         "losses": [r["loss"] for r in train_records],
+        # the logged rates of the second half: the first steps of a 16-bit run on an H200 ran 4x slower
+        "steady_examples_per_s": median(
+            r["examples_per_s"] for r in train_records[len(train_records) // 2 :]
+        ),
         "skipped_steps": [r["step"] for r in log if r["kind"] == "skipped"],
     }
     if torch.cuda.is_available():
@@ -150,12 +156,86 @@ def train_run(name: str, out: Path, common: dict, **overrides) -> dict:
             common["model"], metrics["train"]["micro_batch_size"], cfg.max_length, precision
         )
         setup = "qlora" if cfg.quantize else "lora"
+        set_up = [r for r in log if r["kind"] == "setup"]
         record["memory"] = {
+            # training's peak (fit resets the peak once set up); before: loading, prompt search, probe
             "peak_allocated_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            "setup_peak_allocated_gb": round(set_up[0]["mem_allocated_gb"], 3) if set_up else None,
             "planned_gb": round(plan[setup]["total_gb"], 3),
             "planned": {k: round(v, 3) for k, v in plan[setup].items()},
         }
     return record
+
+
+def lora_model(model_dir: Path, device: str, bf16_base: bool):
+    """The check's classifier with LoRA on all linear layers (no dropout), adapter and head in fp32; the
+    frozen base in fp32 as loracls loads it, or cast to bf16."""
+    import torch
+
+    from loracls.config import TrainConfig
+    from loracls.lora import apply_lora
+    from loracls.model import load_classifier
+
+    torch.manual_seed(0)
+    model = load_classifier(str(model_dir), ["negative", "positive"], mixed_precision="bf16")
+    if bf16_base:
+        model.to(torch.bfloat16)
+    model, _ = apply_lora(model, TrainConfig(target_modules="all-linear", lora_dropout=0.0))
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    return model.to(device).train()
+
+
+def train_step(model, device: str, dtype, ids, labels) -> None:
+    """Forward (under autocast to `dtype`, None: none) and backward, waited for."""
+    import torch
+
+    with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    sync(device)
+
+
+def step_batch(device: str, rows: int, length: int):
+    import torch
+
+    return torch.randint(4, 90, (rows, length), device=device), torch.randint(0, 2, (rows,), device=device)
+
+
+def time_step(model, device: str, dtype, rows: int, length: int, repeats: int = 5) -> dict:
+    """A new shape's first step and the mean of `repeats` more."""
+    ids, labels = step_batch(device, rows, length)
+    started = time.perf_counter()
+    train_step(model, device, dtype, ids, labels)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(repeats):
+        train_step(model, device, dtype, ids, labels)
+    return {"first_s": first, "steady_s": (time.perf_counter() - started) / repeats}
+
+
+def profile_step(model, device: str, dtype, rows: int, length: int) -> dict:
+    """`torch.profiler` over one warm step: the 15 ops with the most self time on the device (the CPU without
+    one), and the device kernels launched."""
+    import torch
+
+    ids, labels = step_batch(device, rows, length)
+    train_step(model, device, dtype, ids, labels)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        train_step(model, device, dtype, ids, labels)
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = sorted(profile.key_averages(), key=lambda e: -getattr(e, key, 0))
+    kernels = [e for e in profile.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    return {
+        "top_ops": [
+            {"op": e.key, "calls": e.count, "self_ms": getattr(e, key, 0) / 1e3} for e in events[:15]
+        ],
+        "device_events": len(kernels),
+    }
 
 
 def nan_loss_at(call: int):
@@ -200,7 +280,8 @@ def main() -> int:
     flags = cpu_flags()
     result: dict = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "commit": git("rev-parse", "HEAD"),
+        "commit": git("rev-parse", "HEAD"),  # a device's .git can be stale: see src_sha256
+        "src_sha256": source_digest(),
         "clean_tree": git("status", "--porcelain") == "",
         "machine": {
             "device": device,
@@ -280,6 +361,9 @@ def main() -> int:
             record["mean_abs_loss_diff_vs_bf16"] = sum(abs(a - b) for a, b in pairs) / len(pairs)
             record["speed_ratio_bf16_over_fp32"] = (
                 checks["train_bf16_probed"]["train"]["examples_per_s"] / record["train"]["examples_per_s"]
+            )
+            record["steady_speed_ratio_bf16_over_fp32"] = (
+                checks["train_bf16_probed"]["steady_examples_per_s"] / record["steady_examples_per_s"]
             )
         return record
 
@@ -376,11 +460,42 @@ def main() -> int:
                 shares[name] = {"tflops": flops / 1e12, "share_of_peak": flops / 1e12 / peak}
         return {"gemm_peak_tflops": peak, "dtype": "bf16" if device == "cuda" else "fp32", "runs": shares}
 
+    def step_shapes() -> dict:
+        """One training step's forward and backward at fixed shapes: fp32, bf16 autocast over the fp32 base
+        (today's way) and a bf16 base (issue 30); each new sequence length's first call, the steady mean, and
+        the ops that took the most device time in a steady bf16 step. The H200 run of 2026-12-04 saw bf16
+        runs' first 20 steps 4x slower than their later ones and 0.65x fp32's steady speed."""
+        rows, lengths = (32, (48, 64, 96)) if not args.cpu else (4, (16, 24))
+        ways: dict = {}
+        for way in ("fp32", "bf16_autocast", "bf16_base"):
+            model = lora_model(model_dir, device, bf16_base=way == "bf16_base")
+            dtype = None if way == "fp32" else torch.bfloat16
+            ways[way] = {n: time_step(model, device, dtype, rows, n) for n in lengths}
+            if way == "bf16_autocast":
+                ways["bf16_autocast_profile"] = profile_step(model, device, dtype, rows, lengths[-1])
+        steady = {
+            w: sum(t["steady_s"] for t in ways[w].values()) for w in ("fp32", "bf16_autocast", "bf16_base")
+        }
+        return {
+            "rows": rows,
+            "ways": ways,
+            "steady_speed_over_fp32": {w: steady["fp32"] / steady[w] for w in steady},
+        }
+
+    check("step_shapes", step_shapes)
     check("mfu", mfu)
     result["all_ok"] = all(c["ok"] for c in checks.values())
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"written: {out / 'gpu_check.json'} (all ok: {result['all_ok']})")
     return 0 if result["all_ok"] else 1
+
+
+def source_digest() -> str:
+    """SHA-256 of src/'s Python files (paths and contents): the code that ran, even where .git is stale."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def git(*args: str) -> str | None:

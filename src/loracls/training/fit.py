@@ -100,6 +100,9 @@ def fit(
     training = Training(model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state)
     console.print(plan_line(cfg, len(train_set), steps_per_epoch, total_steps, accelerator.num_processes))
 
+    if accelerator.device.type == "cuda":  # the train records' peaks are then training's, as the plan sizes
+        run.append_log({"kind": "setup", "step": state.step, **memory_gb(accelerator.device)})
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
     start, first = time.perf_counter(), state.step + 1
     model.train()
     with progress("train", state.total_steps, "steps", state.step) as bar, StopSignals() as stop:
