@@ -99,6 +99,20 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["label_scoring.py", "--texts", "32", "--out", "{out}/label_scoring.json"],
         ["label_scoring.py", "--texts", "2", "--out", "{out}/label_scoring.json"],
     ),
+    "prompt_pieces": (
+        ["prompt_pieces.py", "--out", "{out}/prompt_pieces.json"],
+        [
+            "prompt_pieces.py",
+            "--texts",
+            "6",
+            "--candidates",
+            "2",
+            "--banking77-texts",
+            "3",
+            "--out",
+            "{out}/prompt_pieces.json",
+        ],
+    ),
     "tasks": (
         ["tasks.py", "--out", "{out}/tasks.json"],
         ["tasks.py", "--tasks", "en-tweets,banking77", "--sizes", "en-tweets=48", "--sizes"]
