@@ -32,6 +32,10 @@ from loracls.data.tokenization import tokenize_responses
 from loracls.errors import LoraclsError
 from loracls.model import from_pretrained, load_causal_lm, load_classifier
 
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+"""The key/value cache's name in a model's call and output: `cache` since transformers 5.2x renamed it,
+`past_key_values` in the 5.x releases before (a GPU box's image held 5.17)."""
+
 
 class Objective(Protocol):
     generates: ClassVar[bool]
@@ -452,11 +456,6 @@ class Continuations:
                 picked = logits[n, positions, targets] - normaliser[n, positions]
                 np.add.at(scores[i], labels, picked.cpu().numpy())
         return scores
-
-
-CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-"""The key/value cache's name in a model's call and output: `cache` since transformers 5.2x renamed it,
-`past_key_values` in the 5.x releases before (a GPU box's image held 5.17)."""
 
 
 OBJECTIVES: dict[str, type[ClassificationHead] | type[LanguageModel]] = {

@@ -70,6 +70,14 @@ def memory_gb(device: torch.device) -> dict[str, float]:
     return {"mem_rss_gb": psutil.Process().memory_info().rss / 2**30}
 
 
+def log_setup_peak(run: RunFolder, device: torch.device, step: int) -> None:
+    """On a GPU, a `setup` record of the peak memory so far (loading, prompt search, probe), then the peak
+    reset: the train records' peaks are then training's own, as the memory plan sizes them."""
+    if device.type == "cuda":
+        run.append_log({"kind": "setup", "step": step, **memory_gb(device)})
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def fit(
     model: PeftModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -100,9 +108,7 @@ def fit(
     training = Training(model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state)
     console.print(plan_line(cfg, len(train_set), steps_per_epoch, total_steps, accelerator.num_processes))
 
-    if accelerator.device.type == "cuda":  # the train records' peaks are then training's, as the plan sizes
-        run.append_log({"kind": "setup", "step": state.step, **memory_gb(accelerator.device)})
-        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    log_setup_peak(run, accelerator.device, state.step)
     start, first = time.perf_counter(), state.step + 1
     model.train()
     with progress("train", state.total_steps, "steps", state.step) as bar, StopSignals() as stop:
