@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from loracls.cli_options import (
     INT8,
@@ -23,7 +22,7 @@ from loracls.cli_options import (
     stops_cleanly,
 )
 from loracls.config import PromptConfig, TrainConfig, parse_overrides, read_yaml_config
-from loracls.console import int8_line, per_class_table
+from loracls.console import int8_line, per_class_table, results_table, sweep_plan_table
 from loracls.errors import LoraclsError
 
 app = typer.Typer(
@@ -195,7 +194,7 @@ def predict(
 ) -> None:
     """Classify texts given as arguments or in a file; prints JSON lines unless --output is set. The input
     file's other columns (ids, metadata) come first in each result, so that it joins back."""
-    from loracls.data.tables import check_source, read_table
+    from loracls.data.tables import check_source
     from loracls.inference.export_format import folder_kind
 
     try:
@@ -205,7 +204,7 @@ def predict(
         if input is not None:
             check_source(input)
         quiet_libraries()
-        from loracls.inference.predict import Classifier, prediction_lines, write_predictions
+        from loracls.inference.predict import Classifier, prediction_lines, read_texts, write_predictions
 
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
         if classifier.int8:
@@ -213,10 +212,7 @@ def predict(
         column = text_column or classifier.text_column
         frame = None
         if input is not None:
-            frame = read_table(input)
-            if column not in frame.columns:
-                raise LoraclsError(f"{input}: no text column '{column}'; columns: {list(frame.columns)}")
-            texts = [str(t) for t in frame[column]]
+            frame, texts = read_texts(input, column)
         responses = classifier.generate(texts, max_new_tokens, "generate") if generate else None
         records = classifier.predict(texts, "predict")
         if responses is not None:
@@ -487,20 +483,14 @@ def sweep(
         from loracls.training.sweep import load_sweep, run_sweep
 
         out, points = load_sweep(config)
-        table = Table("run", *points[0].values, title=f"{len(points)} runs into {out}")
-        for point in points:
-            table.add_row(point.name, *(str(v) for v in point.values.values()))
-        console.print(table)
+        console.print(sweep_plan_table(points, out))
         if dry_run:
             return
         out, results, failed = run_sweep(config)
     except LoraclsError as e:
         fail(e)
     if not results.empty:
-        summary = Table(*results.columns, title=f"{out}/results.csv")
-        for row in results.itertuples(index=False):
-            summary.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row))
-        console.print(summary)
+        console.print(results_table(results, f"{out}/results.csv"))
     console.print(f"results, plots and compare.html in {out}", soft_wrap=True)
     if failed:
         console.print(f"[bold red]{len(failed)} run(s) failed:[/] {', '.join(failed)}")

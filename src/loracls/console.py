@@ -172,3 +172,19 @@ def confusion_table(metrics: dict) -> Table:
     for name, row in zip(names, metrics["confusion_matrix"], strict=True):
         table.add_row(name, *map(str, row))
     return table
+
+
+def sweep_plan_table(points: list, out) -> Table:
+    """`loracls sweep`'s plan: one row per point, a column per varied key."""
+    table = Table("run", *points[0].values, title=f"{len(points)} runs into {out}")
+    for point in points:
+        table.add_row(point.name, *(str(v) for v in point.values.values()))
+    return table
+
+
+def results_table(results, title: str) -> Table:
+    """A data frame as a table, floats to 4 places (a sweep's results.csv)."""
+    table = Table(*results.columns, title=title)
+    for row in results.itertuples(index=False):
+        table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row))
+    return table

@@ -45,5 +45,7 @@ def tokenize_responses(table: pd.DataFrame, prompter: Prompter, label2id: dict[s
 def truncated_share(table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max_length: int) -> float:
     """The share of `table`'s texts longer than `max_length` tokens (cut to it, whatever prompt they are read
     inside)."""
+    if table.empty:  # a fast tokenizer given no texts raises IndexError
+        return 0.0
     lengths = [len(x) for x in tokenizer(list(table["text"]), add_special_tokens=False)["input_ids"]]
-    return sum(n > max_length for n in lengths) / max(len(lengths), 1)
+    return sum(n > max_length for n in lengths) / len(lengths)

@@ -64,21 +64,8 @@ def export_run(
             prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels)
             in_tokenizer = prompter is not None and prompt_in_tokenizer(tmp, prompter)
         else:
-            with progress("export", 4, "steps") as stage:
-                stage.update(at="merging LoRA into the base")
-                classifier = Classifier.from_run(
-                    run.path, torch.device("cpu"), allow_unfinished, full_precision=True
-                )
-                stage.update(1, at="saving the merged model")
-                classifier.model.save_pretrained(tmp)
-                classifier.tokenizer.save_pretrained(tmp)
-                prompter = classifier.prompter
-                in_tokenizer = prompter is not None and prompt_in_tokenizer(tmp, prompter)
-                stage.update(2, at="checking its files")
-                verify_export(tmp, labels, cfg.objective)
-                stage.update(3, at="the reload check (loading it as users will)")
-                check_reload(tmp, classifier)
-                stage.update(4)
+            classifier, in_tokenizer = write_merged(run, tmp, labels, allow_unfinished)
+            prompter = classifier.prompter
         int8_check = None
         if int8:  # the merged fp32 classifier just saved, quantised in place: not loaded a second time
             checked = (
@@ -114,6 +101,28 @@ def export_run(
         )
         share_as_umask_allows(tmp)
     return out
+
+
+def write_merged(
+    run: RunFolder, folder: Path, labels: list[str], allow_unfinished: bool
+) -> tuple[Classifier, bool]:
+    """Merge the run's LoRA into its base and save the model and tokenizer into `folder`, then check the
+    files and reload them as users will. Returns the merged classifier and whether the saved tokenizer adds
+    the prompt (`prompt_in_tokenizer`)."""
+    with progress("export", 4, "steps") as stage:
+        stage.update(at="merging LoRA into the base")
+        classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)
+        stage.update(1, at="saving the merged model")
+        classifier.model.save_pretrained(folder)
+        classifier.tokenizer.save_pretrained(folder)
+        prompter = classifier.prompter
+        in_tokenizer = prompter is not None and prompt_in_tokenizer(folder, prompter)
+        stage.update(2, at="checking its files")
+        verify_export(folder, labels, run.read_config().objective)
+        stage.update(3, at="the reload check (loading it as users will)")
+        check_reload(folder, classifier)
+        stage.update(4)
+    return classifier, in_tokenizer
 
 
 PROMPT_PARTS = ("LORACLS_PROMPT_PREFIX", "LORACLS_PROMPT_SUFFIX")

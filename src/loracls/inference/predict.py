@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loracls.console import progress
 from loracls.data.labels import label_names, label_value, separator
 from loracls.data.prompts import Prompter
-from loracls.data.tables import read_labelled
+from loracls.data.tables import read_labelled, read_table
 from loracls.data.tokenization import tokenize
 from loracls.environment.cpu import check_int8_cpu
 from loracls.environment.devices import inference_autocast, inference_device
@@ -287,6 +287,14 @@ def prediction_table(records: list[dict], inputs: pd.DataFrame | None = None, te
     kept = inputs.drop(columns=[text_column]).reset_index(drop=True)
     rows = rows.rename(columns={c: f"{c}_predicted" for c in rows.columns if c in kept.columns})
     return pd.concat([kept, rows], axis=1)
+
+
+def read_texts(path: Path, column: str) -> tuple[pd.DataFrame, list[str]]:
+    """`predict --input`: the file's rows and their texts (the other columns travel with the results)."""
+    frame = read_table(path)
+    if column not in frame.columns:
+        raise LoraclsError(f"{path}: no text column '{column}'; columns: {list(frame.columns)}")
+    return frame, [str(t) for t in frame[column]]
 
 
 def write_predictions(

@@ -320,14 +320,7 @@ def run_baseline(
     probs = softmax(scores)
     calibrated = calibrate(probs, content_free)
     headline = "calibrated" if cfg.calibrate else "uncalibrated"
-    results = {
-        "uncalibrated": summary(table, probs, labels),
-        "calibrated": {
-            **summary(table, calibrated, labels),
-            "content_free_probs": dict(zip(labels, content_free.tolist(), strict=True)),
-        },
-        "swapped_order": {**summary(table, softmax(swapped), labels), "label_order": order[::-1]},
-    }
+    results = three_readings(table, labels, probs, calibrated, content_free, softmax(swapped), order[::-1])
     metrics = {
         **{key: results[headline][key] for key in ("accuracy", "macro_f1", "pred_distribution")},
         "headline": headline,
@@ -346,6 +339,27 @@ def run_baseline(
     if out is not None:
         write_baseline(out, table, labels, scores, probs, calibrated, metrics)
     return metrics
+
+
+def three_readings(
+    table: pd.DataFrame,
+    labels: list[str],
+    probs: np.ndarray,
+    calibrated: np.ndarray,
+    content_free: np.ndarray,
+    swapped: np.ndarray,
+    swapped_order: list[str],
+) -> dict:
+    """The baseline's figures as scored, as calibrated on the content-free inputs, and with the label order
+    reversed (the bias check)."""
+    return {
+        "uncalibrated": summary(table, probs, labels),
+        "calibrated": {
+            **summary(table, calibrated, labels),
+            "content_free_probs": dict(zip(labels, content_free.tolist(), strict=True)),
+        },
+        "swapped_order": {**summary(table, swapped, labels), "label_order": swapped_order},
+    }
 
 
 def write_baseline(
