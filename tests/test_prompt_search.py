@@ -89,3 +89,21 @@ def test_the_prompt_table_shows_the_best_few_and_the_chosen_one_briefly():
     assert len(marked) == 1 and "zh-19" in marked[0] and "the label names" in marked[0]
     assert "书籍=书籍" not in shown and "书籍=类书籍,平板=类平板,手机=类手机," in shown
     assert len(shown) < 1500 and choice.to_json()["candidates"] == rows  # prompt.json keeps all 20
+
+
+@pytest.mark.parametrize(
+    ("kappa", "kappa_se", "sample", "chosen"),
+    [(0.125, 0.10, 32, False), (0.125, 0.03, 512, True), (0.08, 0.01, 512, False), (0.3, 0.05, 128, True)],
+)
+def test_auto_takes_the_prompts_head_only_on_a_kappa_beyond_noise(kappa, kappa_se, sample, chosen):
+    """`head_init: auto` once took the verbaliser head on a kappa of 0.125 from 32 examples: its 90% interval
+    reaches below 0: chance. It needs `PROMPT_KAPPA` and an interval above 0, and says which it lacked."""
+    labels = ["negative", "positive"]
+    words = {"negative": "bad", "positive": "good"}
+    row = {"template": "en-label", "verbalizers": format_verbalizers(words), "accuracy": 0.6, "macro_f1": 0.6}
+    choice = PromptChoice(Prompt("en-label", TEMPLATES["en-label"], words, labels), [row], sample, 0.5)
+    row.update(kappa=kappa, kappa_se=kappa_se)
+    assert choice.informative() is chosen
+    line = choice.informative_line()
+    assert f"from {sample} examples" in line and "0.1 needed, its interval above 0" in line
+    assert ("within noise of chance" in line) == (kappa - 1.645 * kappa_se <= 0)

@@ -166,8 +166,8 @@ class TrainConfig(PromptConfig):
     so step 0 answers what the uncalibrated zero-shot prompt answers. `zero`: raw text, every class equally
     likely at step 0. `normal`: raw text, transformers' N(0, initializer_range) (on Gemma's large hidden
     states it starts confidently wrong). `auto`: `verbalizer` when the chosen prompt's zero-shot answers on
-    the training sample agree with the labels beyond chance (Cohen's kappa at least 0.1), else `zero` (always
-    `zero` for multi-label); the run's config.yaml stores what was decided."""
+    the training sample agree with the labels beyond chance (Cohen's kappa at least 0.1, its 90% interval
+    above 0), else `zero` (always `zero` for multi-label); the run's config.yaml stores what was decided."""
     objective: str = "head"
     """What is trained: `head` (a classification head) or `lm` (instruction tuning: the label word). `head`: a
     classification head on the last token (started as `head_init` says). `lm`: no new head; LoRA is trained
@@ -215,9 +215,10 @@ class TrainConfig(PromptConfig):
     compile: bool = False
     """`torch.compile` the model before training (opt-in: the first steps pay for compilation)."""
     baseline: bool = True
-    """Score the prompt baseline (the base model's LM head, no training) on the test split before training.
-    Without it the prompt is still chosen on training examples when the head starts from it (`head_init`
-    `auto` or `verbalizer`) or with `objective: lm`; `head_init: zero` skips that too."""
+    """Score the prompt baseline (the base model's LM head, no training) on the test split before training;
+    the prompt search still runs without it when the head starts from the prompt (`--head-init zero` skips
+    both). The prompt is chosen on training examples when the head starts from it (`head_init` `auto` or
+    `verbalizer`) or with `objective: lm`."""
     smoke_test: bool = True
     """On a GPU, run `loracls doctor`'s child-process smoke test before loading the model."""
     track: str | None = None

@@ -125,8 +125,13 @@ class PromptChoice:
         """Whether the prompt knows something of the task: its zero-shot answers on the training sample agree
         with the labels beyond chance (Cohen's kappa at least `PROMPT_KAPPA`; 0 is what answers unrelated to
         the text score, whatever the label mix). A head started from a prompt that knows nothing starts
-        confidently wrong: the label words' logits differ by several units on every text."""
-        return self.sample > 0 and self.chosen()["kappa"] >= PROMPT_KAPPA
+        confidently wrong: the label words' logits differ by several units on every text. A kappa whose 90%
+        interval reaches 0 (`sureness`) is noise, however high: 0.125 from 32 examples once chose a head that
+        knew nothing."""
+        if not self.sample:
+            return False
+        row = self.chosen()
+        return row["kappa"] >= PROMPT_KAPPA and kappa_interval(row)[0] > 0
 
     def informative_line(self) -> str:
         if not self.sample:
@@ -135,7 +140,7 @@ class PromptChoice:
         return (
             f"the prompt's zero-shot answers on {self.sample} training examples: accuracy "
             f"{row['accuracy']:.3f} (majority label {self.majority:.3f}), Cohen's kappa {row['kappa']:.3f}"
-            f"{sureness(row, self.sample)}; {PROMPT_KAPPA} needed"
+            f"{sureness(row, self.sample)}; {PROMPT_KAPPA} needed, its interval above 0"
         )
 
     def to_json(self) -> dict:
@@ -158,11 +163,17 @@ def kappa_standard_error(gold: np.ndarray, predicted: np.ndarray, classes: int) 
     return float(np.sqrt(observed * (1 - observed) / (len(gold) * (1 - chance) ** 2)))
 
 
+def kappa_interval(row: dict) -> tuple[float, float]:
+    """A candidate's kappa's 90% interval (the kappa at both ends where no standard error is stored)."""
+    spread = 1.645 * row.get("kappa_se", 0.0)
+    return row["kappa"] - spread, row["kappa"] + spread
+
+
 def sureness(row: dict, sample: int) -> str:
     """How sure a candidate's kappa is, in words: its 90% interval from the sample (none where not stored)."""
     if "kappa_se" not in row:
         return ""
-    low, high = row["kappa"] - 1.645 * row["kappa_se"], row["kappa"] + 1.645 * row["kappa_se"]
+    low, high = kappa_interval(row)
     noise = "; within noise of chance" if low <= 0 else ""
     return f" (90% interval {low:.2f} to {high:.2f} from {sample} examples{noise})"
 
