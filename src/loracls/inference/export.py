@@ -64,7 +64,7 @@ def export_run(
             prompter = input_prompter(load_tokenizer(str(run.best)), cfg, labels)
             in_tokenizer = prompter is not None and prompt_in_tokenizer(tmp, prompter)
         else:
-            classifier, in_tokenizer = write_merged(run, tmp, labels, allow_unfinished)
+            classifier, in_tokenizer = write_merged(run, tmp, labels, cfg.objective, allow_unfinished)
             prompter = classifier.prompter
         int8_check = None
         if int8:  # the merged fp32 classifier just saved, quantised in place: not loaded a second time
@@ -104,7 +104,7 @@ def export_run(
 
 
 def write_merged(
-    run: RunFolder, folder: Path, labels: list[str], allow_unfinished: bool
+    run: RunFolder, folder: Path, labels: list[str], objective: str, allow_unfinished: bool
 ) -> tuple[Classifier, bool]:
     """Merge the run's LoRA into its base and save the model and tokenizer into `folder`, then check the
     files and reload them as users will. Returns the merged classifier and whether the saved tokenizer adds
@@ -118,7 +118,7 @@ def write_merged(
         prompter = classifier.prompter
         in_tokenizer = prompter is not None and prompt_in_tokenizer(folder, prompter)
         stage.update(2, at="checking its files")
-        verify_export(folder, labels, run.read_config().objective)
+        verify_export(folder, labels, objective)
         stage.update(3, at="the reload check (loading it as users will)")
         check_reload(folder, classifier)
         stage.update(4)
