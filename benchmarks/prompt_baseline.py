@@ -26,7 +26,8 @@ from loracls.config import TrainConfig
 from loracls.data.prompts import candidate_prompts, pin_prompt
 from loracls.data.splits import load_splits
 from loracls.model import load_causal_lm, load_tokenizer, resolve_model
-from loracls.training.baseline import choose_prompt, run_baseline
+from loracls.training.baseline import run_baseline
+from loracls.training.prompt_search import choose_prompt
 
 
 def main() -> None:

@@ -16,22 +16,18 @@ from loracls.data.prompts import (
     candidate_prompts,
     detect_language,
     parse_verbalizers,
-    pin_prompt,
     resolve_prompt,
     verbalizer_tokens,
 )
 from loracls.errors import LoraclsError
 from loracls.model import load_causal_lm, load_tokenizer
-from loracls.training import baseline, prompt_search
+from loracls.training import baseline
 from loracls.training.baseline import (
     calibrate,
-    choose_prompt,
     draw_shots,
-    kappa_standard_error,
     label_log_probs,
     run_baseline,
 )
-from loracls.training.prompt_search import plan_search
 from tests.conftest import invoke, toy_reviews
 
 LABELS = ["negative", "positive"]
@@ -303,70 +299,6 @@ def test_auto_offers_every_template_of_the_language_with_every_fitting_word_set(
         candidate_prompts(LABELS, ["x"], PromptConfig(prompt="fr-options"))
 
 
-def test_the_prompt_is_chosen_by_macro_f1_on_training_examples_and_pinned(llama, monkeypatch):
-    """A model that answers right only after `It was` with great/terrible: that candidate is chosen, and
-    pinning it into a config resolves to it again without any texts."""
-    model, tokenizer = llama
-    train = toy_reviews(60).assign(id=lambda t: t.index.astype(str))
-    good = {"good", "great", "love"}
-
-    def oracle(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
-        # columns come in label pairs, one pair per word set sharing the prompt
-        scores = np.full((len(prompts), len(tokens)), -1.0)
-        for i, ids in enumerate(prompts):
-            text = tokenizer.decode(ids)
-            positive = bool(good & set(text.split("\n")[0].split()))
-            for pair in range(0, len(tokens), 2):
-                right = "It was" in text and tokenizer.decode(tokens[pair + 1]) == " great"
-                scores[i, pair + (int(positive) if right else 0)] = -0.1
-        return scores
-
-    monkeypatch.setattr(baseline, "label_log_probs", oracle)
-    cfg = TrainConfig(prompt_sample=40)
-    choice = choose_prompt(model, tokenizer, train, LABELS, cfg)
-    assert choice.prompt.name == "en-it-was" and choice.prompt.words["positive"] == "great"
-    assert 38 <= choice.sample <= 40 and len(choice.candidates) == 15  # a stratified sample of 40
-    best = max(r["macro_f1"] for r in choice.candidates)
-    assert best == 1.0 and sorted(r["macro_f1"] for r in choice.candidates)[-2] < 0.5
-    pin_prompt(cfg, choice.prompt)
-    assert resolve_prompt(LABELS, [], cfg) == choice.prompt
-    # nothing to choose without training examples: the language's first template
-    assert choose_prompt(model, tokenizer, None, LABELS, TrainConfig()).prompt.name == "en-options"
-
-
-def test_the_prompt_search_shows_where_it_is_and_how_long_the_rest_will_take(llama, terminal, monkeypatch):
-    """Its bar counts the prompts read and names the candidates in progress; after the first candidate a
-    line says how long that took and the rest will (here always: `ETA_LINE_S` 0)."""
-    model, tokenizer = llama
-    train = toy_reviews(40).assign(id=lambda t: t.index.astype(str))
-    cfg = TrainConfig(prompt_sample=8)
-    monkeypatch.setattr(prompt_search, "ETA_LINE_S", 0.0)
-    choose_prompt(model, tokenizer, train, LABELS, cfg)
-    shown = terminal.getvalue()
-    plan = plan_search(tokenizer, train, LABELS, cfg)
-    passes = plan.total(plan.passes)
-    # the bar's last frame: every prompt read, the last group (en-review's three word sets) in progress
-    bar = rf"prompt search .*{passes}/{passes} prompts .*candidates 13-15 of 15"
-    assert re.search(bar, shown), shown
-    assert re.search(r"prompt: candidate 1 took \d+ s; about \d+ s for the rest", shown), shown
-
-
-def test_an_interrupt_in_the_prompt_search_says_where_it_stopped(tiny_models, toy_csv, tmp_path):
-    """A real SIGINT while the first candidate is scored: exit 130, the message names the stage and the
-    candidate, nothing of the prompt was written, and the run is marked interrupted."""
-    from tests.test_runs import short_args, signal_during, status
-
-    out = tmp_path / "run"
-    args = short_args(tiny_models["llama"], toy_csv, out)
-    code, stderr = signal_during(
-        "label_log_probs", signal.SIGINT, args, tmp_path, "loracls.training.baseline"
-    )
-    assert code == 130 and "Traceback" not in stderr
-    said = "SIGINT: stopped while choosing the prompt and scoring the baseline (prompt search: candidate 1 of"
-    assert said + " 15, 0 of " in stderr and "prompts); start it again (no checkpoint yet)" in stderr
-    assert not (out / "prompt.json").exists() and status(out)["state"] == "interrupted"
-
-
 def test_the_baseline_command_interrupted_says_where_and_that_nothing_was_written(tiny_models, tmp_path):
     from tests.test_runs import signal_during
 
@@ -381,13 +313,3 @@ def test_the_baseline_command_interrupted_says_where_and_that_nothing_was_writte
     said = r"interrupted during baseline: the texts, 0 of \d+ prompts; nothing was written"
     assert re.search(said, stderr), stderr
     assert not out.exists()
-
-
-def test_the_kappas_standard_error_is_cohens_large_sample_formula():
-    gold = np.array([0, 1] * 50)
-    predicted = gold.copy()
-    predicted[:20] = 1 - predicted[:20]  # 80 of 100 right, both labels predicted half the time
-    # p_o 0.8, p_e 0.5: sqrt(0.8 * 0.2 / (100 * 0.25)) = 0.08
-    assert kappa_standard_error(gold, predicted, 2) == pytest.approx(0.08)
-    # a quarter of the texts: twice as unsure
-    assert kappa_standard_error(gold[:25], predicted[:25], 2) > 1.5 * 0.08

@@ -18,8 +18,8 @@ from loracls.data.tokenization import tokenize, tokenize_responses
 from loracls.environment.devices import inference_autocast
 from loracls.model import load_causal_lm, load_tokenizer
 from loracls.objective import LanguageModel, label_log_probs
-from loracls.training.baseline import softmax
 from loracls.training.evaluate import predict_probs
+from loracls.training.prompt_search import softmax
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
 from tests.test_learning import LEARN
 

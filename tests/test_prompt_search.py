@@ -1,17 +1,29 @@
-"""The prompt search's plan (what it costs, what `prompt_budget` cuts), the line before it and the table
+"""The prompt search: its plan (what it costs, what `prompt_budget` cuts), the line before it, the choice
+(by macro-F1 on training examples, with its kappa's interval), its progress and interrupt, and the table
 after it, on the tiny models' character tokenizer."""
 
 import math
 import re
+import signal
 
+import numpy as np
 import pytest
 from rich.console import Console
 
 from loracls.config import TrainConfig
-from loracls.data.prompts import TEMPLATES, Prompt, format_verbalizers
+from loracls.data.prompts import TEMPLATES, Prompt, format_verbalizers, pin_prompt, resolve_prompt
 from loracls.model import load_causal_lm, load_tokenizer
-from loracls.training.baseline import PromptChoice, choose_prompt
-from loracls.training.prompt_search import UNSCORED, plan_search, prompt_table, search_line, within_budget
+from loracls.training import prompt_search
+from loracls.training.prompt_search import (
+    UNSCORED,
+    PromptChoice,
+    choose_prompt,
+    kappa_standard_error,
+    plan_search,
+    prompt_table,
+    search_line,
+    within_budget,
+)
 from tests.conftest import toy_reviews
 
 LABELS = ["negative", "positive"]
@@ -107,3 +119,77 @@ def test_auto_takes_the_prompts_head_only_on_a_kappa_beyond_noise(kappa, kappa_s
     line = choice.informative_line()
     assert f"from {sample} examples" in line and "0.1 needed, its interval above 0" in line
     assert ("within noise of chance" in line) == (kappa - 1.645 * kappa_se <= 0)
+
+
+def test_the_prompt_is_chosen_by_macro_f1_on_training_examples_and_pinned(llama, monkeypatch):
+    """A model that answers right only after `It was` with great/terrible: that candidate is chosen, and
+    pinning it into a config resolves to it again without any texts."""
+    model, tokenizer = llama
+    train = toy_reviews(60).assign(id=lambda t: t.index.astype(str))
+    good = {"good", "great", "love"}
+
+    def oracle(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
+        # columns come in label pairs, one pair per word set sharing the prompt
+        scores = np.full((len(prompts), len(tokens)), -1.0)
+        for i, ids in enumerate(prompts):
+            text = tokenizer.decode(ids)
+            positive = bool(good & set(text.split("\n")[0].split()))
+            for pair in range(0, len(tokens), 2):
+                right = "It was" in text and tokenizer.decode(tokens[pair + 1]) == " great"
+                scores[i, pair + (int(positive) if right else 0)] = -0.1
+        return scores
+
+    monkeypatch.setattr(prompt_search, "label_log_probs", oracle)
+    cfg = TrainConfig(prompt_sample=40)
+    choice = choose_prompt(model, tokenizer, train, LABELS, cfg)
+    assert choice.prompt.name == "en-it-was" and choice.prompt.words["positive"] == "great"
+    assert 38 <= choice.sample <= 40 and len(choice.candidates) == 15  # a stratified sample of 40
+    best = max(r["macro_f1"] for r in choice.candidates)
+    assert best == 1.0 and sorted(r["macro_f1"] for r in choice.candidates)[-2] < 0.5
+    pin_prompt(cfg, choice.prompt)
+    assert resolve_prompt(LABELS, [], cfg) == choice.prompt
+    # nothing to choose without training examples: the language's first template
+    assert choose_prompt(model, tokenizer, None, LABELS, TrainConfig()).prompt.name == "en-options"
+
+
+def test_the_prompt_search_shows_where_it_is_and_how_long_the_rest_will_take(llama, terminal, monkeypatch):
+    """Its bar counts the prompts read and names the candidates in progress; after the first candidate a
+    line says how long that took and the rest will (here always: `ETA_LINE_S` 0)."""
+    model, tokenizer = llama
+    train = toy_reviews(40).assign(id=lambda t: t.index.astype(str))
+    cfg = TrainConfig(prompt_sample=8)
+    monkeypatch.setattr(prompt_search, "ETA_LINE_S", 0.0)
+    choose_prompt(model, tokenizer, train, LABELS, cfg)
+    shown = terminal.getvalue()
+    plan = plan_search(tokenizer, train, LABELS, cfg)
+    passes = plan.total(plan.passes)
+    # the bar's last frame: every prompt read, the last group (en-review's three word sets) in progress
+    bar = rf"prompt search .*{passes}/{passes} prompts .*candidates 13-15 of 15"
+    assert re.search(bar, shown), shown
+    assert re.search(r"prompt: candidate 1 took \d+ s; about \d+ s for the rest", shown), shown
+
+
+def test_an_interrupt_in_the_prompt_search_says_where_it_stopped(tiny_models, toy_csv, tmp_path):
+    """A real SIGINT while the first candidate is scored: exit 130, the message names the stage and the
+    candidate, nothing of the prompt was written, and the run is marked interrupted."""
+    from tests.test_runs import short_args, signal_during, status
+
+    out = tmp_path / "run"
+    args = short_args(tiny_models["llama"], toy_csv, out)
+    code, stderr = signal_during(
+        "label_log_probs", signal.SIGINT, args, tmp_path, "loracls.training.prompt_search"
+    )
+    assert code == 130 and "Traceback" not in stderr
+    said = "SIGINT: stopped while choosing the prompt and scoring the baseline (prompt search: candidate 1 of"
+    assert said + " 15, 0 of " in stderr and "prompts); start it again (no checkpoint yet)" in stderr
+    assert not (out / "prompt.json").exists() and status(out)["state"] == "interrupted"
+
+
+def test_the_kappas_standard_error_is_cohens_large_sample_formula():
+    gold = np.array([0, 1] * 50)
+    predicted = gold.copy()
+    predicted[:20] = 1 - predicted[:20]  # 80 of 100 right, both labels predicted half the time
+    # p_o 0.8, p_e 0.5: sqrt(0.8 * 0.2 / (100 * 0.25)) = 0.08
+    assert kappa_standard_error(gold, predicted, 2) == pytest.approx(0.08)
+    # a quarter of the texts: twice as unsure
+    assert kappa_standard_error(gold[:25], predicted[:25], 2) > 1.5 * 0.08

@@ -216,7 +216,7 @@ def test_the_report_shows_the_prompt_and_every_candidate(prompted_run):
 def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_models, tmp_path, monkeypatch):
     """A prompt whose answers follow the texts' keywords starts the head (`verbalizer`); one that answers
     the same label whatever the text agrees with the labels no better than chance (kappa 0): `zero`."""
-    from loracls.training import baseline
+    from loracls.training import prompt_search
 
     def answers(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
         scores = np.full((len(prompts), len(tokens)), -1.0)  # a pair of columns per word set
@@ -226,7 +226,7 @@ def test_auto_starts_from_the_prompt_only_where_it_knows_the_task(knows, tiny_mo
             scores[i, 1::2] = -0.1 if knows and positive else -1.0
         return scores
 
-    monkeypatch.setattr(baseline, "label_log_probs", answers)
+    monkeypatch.setattr(prompt_search, "label_log_probs", answers)
     data = tmp_path / "reviews.csv"
     toy_reviews(120).to_csv(data, index=False)
     out = tmp_path / "run"

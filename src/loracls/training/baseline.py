@@ -11,24 +11,20 @@ import contextlib
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 from accelerate import Accelerator, PartialState
-from sklearn.metrics import cohen_kappa_score
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loracls.config import PromptConfig, TrainConfig
+from loracls.config import TrainConfig
 from loracls.console import Stage, console, progress
-from loracls.data.labels import label_ids, sort_labels
+from loracls.data.labels import sort_labels
 from loracls.data.prompts import (
-    Prompt,
     Prompter,
     answer_tokens,
-    format_verbalizers,
     language_note,
     part_on_first_token,
     pin_prompt,
@@ -41,14 +37,17 @@ from loracls.environment.micro_batch import CPU_MICRO_BATCH
 from loracls.errors import LoraclsError
 from loracls.model import load_causal_lm
 from loracls.objective import input_prompter, label_log_probs, label_rows, objective_kind
-from loracls.training.evaluate import gather_rows, score, write_predictions_jsonl
-from loracls.training.prompt_search import SearchPlan, eta_line, plan_search, prompt_table, search_line
+from loracls.training.evaluate import gather_rows, write_predictions_jsonl
+from loracls.training.prompt_search import (
+    PromptChoice,
+    choose_prompt,
+    plan_search,
+    prompt_table,
+    search_line,
+    softmax,
+    summary,
+)
 from loracls.training.runs import RunFolder, write_json
-
-PROMPT_KAPPA = 0.1
-"""The agreement beyond chance (Cohen's kappa) of a prompt's zero-shot answers with the training sample's
-labels above which `head_init: auto` starts the head from it. Measured: zh-reviews and en-tweets prompts of
-Gemma 3 270M score about 0.15-0.3 and their heads learn faster than zero ones (benchmarks/README.md)."""
 
 CONTENT_FREE = ("N/A", "", "[MASK]")
 """Inputs that carry no content: the model's answer to them is its bias (Zhao et al., 2021)."""
@@ -103,144 +102,6 @@ def baseline_on_device(
     return metrics
 
 
-@dataclass
-class PromptChoice:
-    """The prompt chosen on a sample of training examples, and every candidate's score there."""
-
-    prompt: Prompt
-    candidates: list[dict]
-    """Per candidate: template name, verbalisers, accuracy, macro-F1 and predicted distribution on the
-    sample (or why it was skipped); empty when there was nothing to choose."""
-    sample: int
-    """Training examples scored (0: no training examples)."""
-    majority: float = 0.0
-    """The most frequent label's share of the sample: what answering one label for every text scores."""
-
-    def chosen(self) -> dict:
-        """The chosen prompt's row of `candidates`."""
-        key = (self.prompt.name, format_verbalizers(self.prompt.words))
-        return next(r for r in self.candidates if (r["template"], r["verbalizers"]) == key)
-
-    def informative(self) -> bool:
-        """Whether the prompt knows something of the task: its zero-shot answers on the training sample agree
-        with the labels beyond chance (Cohen's kappa at least `PROMPT_KAPPA`; 0 is what answers unrelated to
-        the text score, whatever the label mix). A head started from a prompt that knows nothing starts
-        confidently wrong: the label words' logits differ by several units on every text. A kappa whose 90%
-        interval reaches 0 (`sureness`) is noise, however high: 0.125 from 32 examples once chose a head that
-        knew nothing."""
-        if not self.sample:
-            return False
-        row = self.chosen()
-        return row["kappa"] >= PROMPT_KAPPA and kappa_interval(row)[0] > 0
-
-    def informative_line(self) -> str:
-        if not self.sample:
-            return "no training examples to score the prompt on"
-        row = self.chosen()
-        return (
-            f"the prompt's zero-shot answers on {self.sample} training examples: accuracy "
-            f"{row['accuracy']:.3f} (majority label {self.majority:.3f}), Cohen's kappa {row['kappa']:.3f}"
-            f"{sureness(row, self.sample)}; {PROMPT_KAPPA} needed, its interval above 0"
-        )
-
-    def to_json(self) -> dict:
-        return {
-            "chosen": self.prompt.name,
-            "verbalizers": self.prompt.words,
-            "sample": self.sample,
-            "majority": self.majority,
-            "candidates": self.candidates,
-        }
-
-
-def kappa_standard_error(gold: np.ndarray, predicted: np.ndarray, classes: int) -> float:
-    """The large-sample standard error of Cohen's kappa, sqrt(p_o (1 - p_o) / (n (1 - p_e)^2)) (Cohen 1960):
-    how far another sample of as many texts could move it."""
-    observed = float((gold == predicted).mean())
-    chance = float(sum(np.mean(gold == c) * np.mean(predicted == c) for c in range(classes)))
-    if chance >= 1.0:
-        return 0.0
-    return float(np.sqrt(observed * (1 - observed) / (len(gold) * (1 - chance) ** 2)))
-
-
-def kappa_interval(row: dict) -> tuple[float, float]:
-    """A candidate's kappa's 90% interval (the kappa at both ends where no standard error is stored)."""
-    spread = 1.645 * row.get("kappa_se", 0.0)
-    return row["kappa"] - spread, row["kappa"] + spread
-
-
-def sureness(row: dict, sample: int) -> str:
-    """How sure a candidate's kappa is, in words: its 90% interval from the sample (none where not stored)."""
-    if "kappa_se" not in row:
-        return ""
-    low, high = kappa_interval(row)
-    noise = "; within noise of chance" if low <= 0 else ""
-    return f" (90% interval {low:.2f} to {high:.2f} from {sample} examples{noise})"
-
-
-def choose_prompt(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    train: pd.DataFrame | None,
-    labels: list[str],
-    cfg: PromptConfig,
-    plan: SearchPlan | None = None,
-) -> PromptChoice:
-    """The candidate prompt (`plan_search`) whose uncalibrated zero-shot answers score the best macro-F1 on a
-    stratified sample of `cfg.prompt_sample` training examples (fewer over `cfg.prompt_budget`; ties: the
-    higher mean log-probability of the right label, then the earlier candidate). Never sees validation or
-    test labels. Shows its progress, and once the first candidate is scored how long the rest will take.
-
-    Uncalibrated, because that is what a verbaliser-initialised head answers at step 0; macro-F1, because a
-    prompt that gives every text one label (listing the options, a small model copies the first) scores low
-    on it.
-    """
-    plan = plan or plan_search(tokenizer, train, labels, cfg)
-    candidates, rows = plan.candidates, [dict(row) for row in plan.rows]
-    if train is None or train.empty:
-        return PromptChoice(candidates[0], [], 0)
-    sample = stratified_sample(train, plan.sample, cfg.seed)
-    label2id = label_ids(labels)
-    gold = np.array([label2id[x] for x in sample["label"]])
-    chat = bool(cfg.chat_template)
-    scored: list[tuple[tuple[float, float], int]] = []  # (macro-F1, gold log-prob), candidate
-    total = sum(plan.passes) * len(sample)
-    with progress("prompt search", total, "prompts") as stage:
-        for g, group in enumerate(plan.groups):
-            first, last = group[0][0] + 1, group[-1][0] + 1
-            which = f"candidate {first}" if first == last else f"candidates {first}-{last}"
-            stage.update(at=f"{which} of {len(candidates)}")
-            # candidates whose prompts are the same text are scored in one pass: every word set's tokens are
-            # read from the same forward passes
-            prompts = Prompter(tokenizer, candidates[first - 1], [], cfg.max_length, chat=chat).encode(
-                list(sample["text"])
-            )
-            columns = [tokens[label] for _, tokens in group for label in labels]
-            every = label_log_probs(model, tokenizer, prompts, columns, advance=stage.advance)
-            for k, (n, _) in enumerate(group):
-                probs = softmax(every[:, k * len(labels) : (k + 1) * len(labels)])
-                gold_log_prob = float(np.log(probs[np.arange(len(gold)), gold]).mean())
-                kappa = cohen_kappa_score(gold, probs.argmax(1), labels=list(range(len(labels))))
-                rows[n] |= {
-                    **summary(sample, probs, labels),
-                    "kappa": round(float(np.nan_to_num(kappa)), 4),
-                    "kappa_se": round(kappa_standard_error(gold, probs.argmax(1), len(labels)), 4),
-                    "gold_log_prob": round(gold_log_prob, 4),
-                }
-                scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
-            if g == 0 and len(plan.groups) > 1:
-                eta_line(stage, which)
-    if not scored:
-        reasons = sorted({r["skipped"] for r in rows})
-        raise LoraclsError(
-            f"No candidate prompt can score the labels {labels}: {'; '.join(reasons)}. Give label words that "
-            "differ from the first token on with --verbalizers label=word,..."
-        )
-    best = candidates[max(sorted(scored, key=lambda item: item[1]), key=lambda item: item[0])[1]]
-    majority = float(sample["label"].value_counts(normalize=True).max())
-    return PromptChoice(best, rows, len(sample), majority)
-
-
 def calibrate(probs: np.ndarray, content_free: np.ndarray) -> np.ndarray:
     """Contextual calibration: divide out the label distribution the model gives content-free inputs."""
     adjusted = probs / content_free[None, :]
@@ -261,17 +122,6 @@ def draw_shots(train: pd.DataFrame, labels: list[str], k: int, seed: int) -> pd.
             raise LoraclsError(f"Not enough training examples of label {label!r} for {k} shots")
         chosen.append(pool.index[rng.integers(len(pool))])
     return train.loc[rng.permutation(chosen)]
-
-
-def softmax(scores: np.ndarray) -> np.ndarray:
-    """Probabilities over the labels from their log-probabilities (renormalised among the labels)."""
-    z = np.exp(scores - scores.max(axis=1, keepdims=True))
-    return z / z.sum(axis=1, keepdims=True)
-
-
-def summary(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> dict:
-    metrics = score(table, probs, labels)
-    return {key: metrics[key] for key in ("accuracy", "macro_f1", "weighted_f1", "pred_distribution", "n")}
 
 
 def run_baseline(

@@ -1,7 +1,7 @@
-"""The prompt search's plan and report: what scoring the candidate prompts costs (prompts, tokens)
-and what `prompt_budget` cuts, the line that says so before it runs, how long the rest will take once the
-first candidate is scored, and the short table of the best candidates after. `baseline.choose_prompt` runs
-the search.
+"""The prompt search: what scoring the candidate prompts costs (prompts, tokens) and what `prompt_budget`
+cuts, the line that says so before it runs, the search itself (`choose_prompt`: each candidate's zero-shot
+answers on a sample of training examples, with Cohen's kappa and its interval), how long the rest will take
+once the first candidate is scored, and the short table of the best candidates after.
 """
 
 from __future__ import annotations
@@ -12,14 +12,22 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 from rich.table import Table
-from transformers import PreTrainedTokenizerBase
+from sklearn.metrics import cohen_kappa_score
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loracls.config import PromptConfig, TrainConfig
-from loracls.console import Stage, console, duration
+from loracls.console import Stage, console, duration, progress
+from loracls.data.labels import label_ids
 from loracls.data.prompts import Prompt, Prompter, candidate_prompts, format_verbalizers
 from loracls.data.splits import stratified_sample
 from loracls.errors import LoraclsError
-from loracls.objective import later_tokens, objective_kind
+from loracls.objective import label_log_probs, later_tokens, objective_kind
+from loracls.training.evaluate import score
+
+PROMPT_KAPPA = 0.1
+"""The agreement beyond chance (Cohen's kappa) of a prompt's zero-shot answers with the training sample's
+labels above which `head_init: auto` starts the head from it. Measured: zh-reviews and en-tweets prompts of
+Gemma 3 270M score about 0.15-0.3 and their heads learn faster than zero ones (benchmarks/README.md)."""
 
 
 @dataclass
@@ -198,3 +206,152 @@ def short_words(words: str, names: str, width: int = 40) -> str:
     if words == names:
         return "the label names"
     return words if len(words) <= width else words[: width - 1] + "…"
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    """Probabilities over the labels from their log-probabilities (renormalised among the labels)."""
+    z = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def summary(table: pd.DataFrame, probs: np.ndarray, labels: list[str]) -> dict:
+    metrics = score(table, probs, labels)
+    return {key: metrics[key] for key in ("accuracy", "macro_f1", "weighted_f1", "pred_distribution", "n")}
+
+
+@dataclass
+class PromptChoice:
+    """The prompt chosen on a sample of training examples, and every candidate's score there."""
+
+    prompt: Prompt
+    candidates: list[dict]
+    """Per candidate: template name, verbalisers, accuracy, macro-F1 and predicted distribution on the
+    sample (or why it was skipped); empty when there was nothing to choose."""
+    sample: int
+    """Training examples scored (0: no training examples)."""
+    majority: float = 0.0
+    """The most frequent label's share of the sample: what answering one label for every text scores."""
+
+    def chosen(self) -> dict:
+        """The chosen prompt's row of `candidates`."""
+        key = (self.prompt.name, format_verbalizers(self.prompt.words))
+        return next(r for r in self.candidates if (r["template"], r["verbalizers"]) == key)
+
+    def informative(self) -> bool:
+        """Whether the prompt knows something of the task: its zero-shot answers on the training sample agree
+        with the labels beyond chance (Cohen's kappa at least `PROMPT_KAPPA`; 0 is what answers unrelated to
+        the text score, whatever the label mix). A head started from a prompt that knows nothing starts
+        confidently wrong: the label words' logits differ by several units on every text. A kappa whose 90%
+        interval reaches 0 (`sureness`) is noise, however high: 0.125 from 32 examples once chose a head that
+        knew nothing."""
+        if not self.sample:
+            return False
+        row = self.chosen()
+        return row["kappa"] >= PROMPT_KAPPA and kappa_interval(row)[0] > 0
+
+    def informative_line(self) -> str:
+        if not self.sample:
+            return "no training examples to score the prompt on"
+        row = self.chosen()
+        return (
+            f"the prompt's zero-shot answers on {self.sample} training examples: accuracy "
+            f"{row['accuracy']:.3f} (majority label {self.majority:.3f}), Cohen's kappa {row['kappa']:.3f}"
+            f"{sureness(row, self.sample)}; {PROMPT_KAPPA} needed, its interval above 0"
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "chosen": self.prompt.name,
+            "verbalizers": self.prompt.words,
+            "sample": self.sample,
+            "majority": self.majority,
+            "candidates": self.candidates,
+        }
+
+
+def kappa_standard_error(gold: np.ndarray, predicted: np.ndarray, classes: int) -> float:
+    """The large-sample standard error of Cohen's kappa, sqrt(p_o (1 - p_o) / (n (1 - p_e)^2)) (Cohen 1960):
+    how far another sample of as many texts could move it."""
+    observed = float((gold == predicted).mean())
+    chance = float(sum(np.mean(gold == c) * np.mean(predicted == c) for c in range(classes)))
+    if chance >= 1.0:
+        return 0.0
+    return float(np.sqrt(observed * (1 - observed) / (len(gold) * (1 - chance) ** 2)))
+
+
+def kappa_interval(row: dict) -> tuple[float, float]:
+    """A candidate's kappa's 90% interval (the kappa at both ends where no standard error is stored)."""
+    spread = 1.645 * row.get("kappa_se", 0.0)
+    return row["kappa"] - spread, row["kappa"] + spread
+
+
+def sureness(row: dict, sample: int) -> str:
+    """How sure a candidate's kappa is, in words: its 90% interval from the sample (none where not stored)."""
+    if "kappa_se" not in row:
+        return ""
+    low, high = kappa_interval(row)
+    noise = "; within noise of chance" if low <= 0 else ""
+    return f" (90% interval {low:.2f} to {high:.2f} from {sample} examples{noise})"
+
+
+def choose_prompt(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train: pd.DataFrame | None,
+    labels: list[str],
+    cfg: PromptConfig,
+    plan: SearchPlan | None = None,
+) -> PromptChoice:
+    """The candidate prompt (`plan_search`) whose uncalibrated zero-shot answers score the best macro-F1 on a
+    stratified sample of `cfg.prompt_sample` training examples (fewer over `cfg.prompt_budget`; ties: the
+    higher mean log-probability of the right label, then the earlier candidate). Never sees validation or
+    test labels. Shows its progress, and once the first candidate is scored how long the rest will take.
+
+    Uncalibrated, because that is what a verbaliser-initialised head answers at step 0; macro-F1, because a
+    prompt that gives every text one label (listing the options, a small model copies the first) scores low
+    on it.
+    """
+    plan = plan or plan_search(tokenizer, train, labels, cfg)
+    candidates, rows = plan.candidates, [dict(row) for row in plan.rows]
+    if train is None or train.empty:
+        return PromptChoice(candidates[0], [], 0)
+    sample = stratified_sample(train, plan.sample, cfg.seed)
+    label2id = label_ids(labels)
+    gold = np.array([label2id[x] for x in sample["label"]])
+    chat = bool(cfg.chat_template)
+    scored: list[tuple[tuple[float, float], int]] = []  # (macro-F1, gold log-prob), candidate
+    total = sum(plan.passes) * len(sample)
+    with progress("prompt search", total, "prompts") as stage:
+        for g, group in enumerate(plan.groups):
+            first, last = group[0][0] + 1, group[-1][0] + 1
+            which = f"candidate {first}" if first == last else f"candidates {first}-{last}"
+            stage.update(at=f"{which} of {len(candidates)}")
+            # candidates whose prompts are the same text are scored in one pass: every word set's tokens are
+            # read from the same forward passes
+            prompts = Prompter(tokenizer, candidates[first - 1], [], cfg.max_length, chat=chat).encode(
+                list(sample["text"])
+            )
+            columns = [tokens[label] for _, tokens in group for label in labels]
+            every = label_log_probs(model, tokenizer, prompts, columns, advance=stage.advance)
+            for k, (n, _) in enumerate(group):
+                probs = softmax(every[:, k * len(labels) : (k + 1) * len(labels)])
+                gold_log_prob = float(np.log(probs[np.arange(len(gold)), gold]).mean())
+                kappa = cohen_kappa_score(gold, probs.argmax(1), labels=list(range(len(labels))))
+                rows[n] |= {
+                    **summary(sample, probs, labels),
+                    "kappa": round(float(np.nan_to_num(kappa)), 4),
+                    "kappa_se": round(kappa_standard_error(gold, probs.argmax(1), len(labels)), 4),
+                    "gold_log_prob": round(gold_log_prob, 4),
+                }
+                scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
+            if g == 0 and len(plan.groups) > 1:
+                eta_line(stage, which)
+    if not scored:
+        reasons = sorted({r["skipped"] for r in rows})
+        raise LoraclsError(
+            f"No candidate prompt can score the labels {labels}: {'; '.join(reasons)}. Give label words that "
+            "differ from the first token on with --verbalizers label=word,..."
+        )
+    best = candidates[max(sorted(scored, key=lambda item: item[1]), key=lambda item: item[0])[1]]
+    majority = float(sample["label"].value_counts(normalize=True).max())
+    return PromptChoice(best, rows, len(sample), majority)
