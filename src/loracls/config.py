@@ -205,7 +205,8 @@ class TrainConfig(PromptConfig):
     ROCm with a bitsandbytes build that supports it: `loracls doctor` tells); refused elsewhere."""
     precision: str = "auto"
     """Number format: `auto` (the fastest the device supports), `fp32`, `bf16` or `fp16`. `auto` is bf16 on
-    GPUs that have it, fp16 with loss scaling on other GPUs, bf16 on CPUs with AVX-512-BF16 or AMX, else
+    GPUs that compute it in hardware (NVIDIA Ampere+, AMD gfx908/gfx90a/gfx94x/gfx95x, RDNA 3-4), fp16 with
+    loss scaling on other GPUs (V100, T4, gfx906), bf16 on CPUs with AVX-512-BF16 or AMX, else
     fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of storing them: less memory (a larger micro-batch

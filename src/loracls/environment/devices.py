@@ -28,10 +28,25 @@ def mixed_precision(precision: str, device_type: str | None = None, flags: set[s
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if gpu_has_fast_bf16() else "fp16"
     if device_type == "cpu":
         return "bf16" if cpu_has_fast_bf16(flags) else "no"
     return "no"
+
+
+ROCM_BF16_ARCHS = ("gfx908", "gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
+"""AMD architectures (prefixes of `gcnArchName`) whose matrix units compute bf16: CDNA 1-4 (MI100 to MI355)
+and RDNA 3-4. Older ones (gfx906 MI50/MI60, gfx900, RDNA 1-2 gfx10xx) emulate it, slower than fp16."""
+
+
+def gpu_has_fast_bf16(index: int | None = None) -> bool:
+    """Whether the GPU computes bf16 in hardware, not emulated: `torch.cuda.is_bf16_supported()` answers yes
+    on every ROCm GPU and, by emulation, on pre-Ampere CUDA GPUs (V100, T4), where fp16 is the fast one."""
+    device = torch.cuda.current_device() if index is None else index
+    if torch.version.hip:
+        arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
+        return arch.split(":", 1)[0].startswith(ROCM_BF16_ARCHS)
+    return torch.cuda.get_device_properties(device).major >= 8
 
 
 def inference_device() -> torch.device:
