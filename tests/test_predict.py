@@ -4,11 +4,13 @@ through predict are in test_export.py."""
 
 import json
 import re
+import shutil
 import signal
 
 import pandas as pd
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from loracls.inference.predict import Classifier, evaluate_run
@@ -65,6 +67,24 @@ def test_predict_texts_and_files(trained, tmp_path):
         ("4", "b", expected[1]["label"]),
         ("9", "c", expected[2]["label"]),
     ]
+
+
+def test_a_qlora_run_on_a_machine_without_a_gpu_runs_on_the_full_precision_base(
+    quick_run, tmp_path, capsys, monkeypatch
+):
+    """bitsandbytes' 4-bit layers need a GPU: a QLoRA run read on a CPU says so and answers as its export
+    would (merged into the full-precision base), instead of torch's `current_device()` RuntimeError."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # on a GPU machine too
+    qlora = tmp_path / "qlora"
+    shutil.copytree(quick_run, qlora)
+    config = yaml.safe_load((qlora / "config.yaml").read_text())
+    (qlora / "config.yaml").write_text(yaml.safe_dump({**config, "quantize": "4bit"}, sort_keys=False))
+    texts = ["good story", "awful plot", "love it"]
+    answers = Classifier.from_run(str(qlora)).predict(texts)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "trained LoRA on a 4-bit base (QLoRA)" in said and "full-precision base" in said, said
+    expected = Classifier.from_run(str(quick_run)).predict(texts)
+    assert [a["label"] for a in answers] == [e["label"] for e in expected]
 
 
 def test_unfinished_run_is_refused(trained, tmp_path):

@@ -369,7 +369,10 @@ def label_log_probs(
             use_cache=bool(later.rows),
             logits_to_keep=1,
         )
-        scores[batch] += torch.log_softmax(out.logits[:, -1].float(), dim=-1).cpu()[:, firsts].numpy()
+        # (batch, vocabulary): only the labels' first tokens leave the device
+        last = out.logits[:, -1].float()
+        picked = last[:, firsts.to(last.device)] - torch.logsumexp(last, dim=-1, keepdim=True)
+        scores[batch] += picked.cpu().numpy()
         if later.rows:
             scores[batch] += later.score(model, getattr(out, CACHE), attention_mask.to(device))
         if advance is not None:

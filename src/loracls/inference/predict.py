@@ -15,7 +15,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loracls.console import progress
+from loracls.console import console, progress
 from loracls.data.labels import label_names, label_value, separator
 from loracls.data.prompts import Prompter
 from loracls.data.tables import read_labelled, read_table
@@ -137,6 +137,13 @@ class Classifier:
         run.check_finished(allow_unfinished)
         cfg, labels = run.read_config(), run.read_labels()
         quantize = None if full_precision else cfg.quantize
+        if quantize and not torch.cuda.is_available():  # bitsandbytes' 4-bit layers run on a GPU only
+            console.print(
+                f"{run_dir} trained LoRA on a 4-bit base (QLoRA), whose layers need a CUDA/ROCm GPU; this "
+                "machine has none, so it runs merged into the full-precision base (what its export holds): "
+                "scores may differ slightly from its metrics.json"
+            )
+            quantize = None
         model, tokenizer = merge_adapter(
             cfg.model,
             run.best,
