@@ -28,3 +28,23 @@ def test_truncated_share_counts_the_texts_longer_than_the_limit():
     table = pd.DataFrame({"text": ["abc", "abcdef", "abcdefgh", "a"]})
     assert truncated_share(table, char_tokenizer(), 5) == 0.5
     assert truncated_share(table.iloc[:0], char_tokenizer(), 5) == 0.0  # no texts: no division by zero
+
+
+def test_a_named_stage_shows_how_many_texts_are_tokenised_a_chunk_at_a_time(log_file, monkeypatch):
+    """Tokenising 2,500 texts in chunks of 1,000 reports each chunk's progress and the same ids as one call;
+    without a stage name nothing is printed."""
+    from loracls.data import tokenization
+
+    monkeypatch.setattr(tokenization, "CHUNK", 1000)
+    table = pd.DataFrame({"text": [f"text {n}" for n in range(2500)], "label": "pos"})
+    tokenizer = char_tokenizer()
+    chunked = tokenize(table, tokenizer, 16, {"pos": 0}, stage="tokenize train")
+    shown = log_file.getvalue()
+    for done in ("1,000", "2,000", "2,500"):
+        assert f"tokenize train: {done} of 2,500 texts" in shown, shown
+    assert "done in" in shown
+    whole = tokenizer(list(table["text"]), truncation=True, max_length=16)["input_ids"]
+    assert chunked["input_ids"] == whole
+    log_file.truncate(0)
+    tokenize(table, tokenizer, 16, {"pos": 0})
+    assert log_file.getvalue() == ""

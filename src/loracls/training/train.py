@@ -305,8 +305,8 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     run.stage = "tokenizing the data"
     prompter = input_prompter(tokenizer, cfg, splits.labels)
     train_set, val_set, test_set = (
-        tokenize(t, tokenizer, cfg.max_length, splits.label2id, prompter)
-        for t in (splits.train, splits.val, splits.test)
+        tokenize(table, tokenizer, cfg.max_length, splits.label2id, prompter, stage=f"tokenize {name}")
+        for name, table in (("train", splits.train), ("validation", splits.val), ("test", splits.test))
     )
     train_set = kind.training_set(train_set, splits.train, prompter, splits.label2id)
     objective = kind.for_training(cfg, train_set, prompter, splits.labels, accelerator)
