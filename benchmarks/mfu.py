@@ -3,8 +3,9 @@
 Peak: this script's own GEMM microbenchmark, square matmuls in fp32 and bf16 (the best of several sizes and
 repeats). Achieved: the FLOPs the model needs for the real tokens of the training texts (forward, backward
 to the activations and to the LoRA weights), counted with `torch.utils.flop_counter` on unpadded sequences
-and fitted as a*L + b*L^2 per text of L tokens, divided by the seconds of a `loracls train` run on those
-texts. Padding computed inside a batch is not counted as useful work.
+and fitted as a*L + b*L^2 per text of L tokens, divided by the seconds of a `loracls train` run of one epoch
+over those texts, read raw (`min_steps: 0`, `head_init: zero`; the script asserts it saw each text once).
+Padding computed inside a batch is not counted as useful work.
 
 Also: the GEMM ceiling of the model's own shapes. The square-matmul peak is not reachable with a hidden size
 of 640 and a micro-batch of ~800 tokens; `model_gemm` times the decoder's linear layers at the run's mean
@@ -144,6 +145,8 @@ def main() -> None:
             max_train_examples=args.steps * args.batch_size,
             max_eval_examples=32,
             epochs=1,
+            min_steps=0,  # one epoch: the FLOPs below are counted for one pass over the texts
+            head_init="zero",  # raw texts, whose lengths the FLOPs are counted on (no prompt around them)
             batch_size=args.batch_size,
             eval_every=10**6,
             save_every=10**6,
@@ -156,6 +159,7 @@ def main() -> None:
     splits = load_splits(cfg)
     tokenizer = load_tokenizer(resolve_model(cfg.model))
     lengths = [min(len(x), cfg.max_length) for x in tokenizer(list(splits.train["text"]))["input_ids"]]
+    assert metrics["train"]["examples_seen"] == len(lengths), "the timed run trained other than one epoch"
     flops, fit = training_flops(cfg, splits.labels, lengths)
     achieved = flops / metrics["train"]["train_s"]
     used = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}[metrics["train"]["mixed_precision"]]

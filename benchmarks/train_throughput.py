@@ -1,9 +1,12 @@
 """Training throughput: loracls against the write-up's recipe and HF Trainer + PEFT, in one run.
 
 The same model (Gemma 3 270M, head started at zero in every way), the same training examples of a real review
-set (one epoch of `--steps` x 16), the same LoRA (r=8, alpha=16, dropout 0.05 on q_proj/v_proj), the same
-optimizer (AdamW 2e-4, weight decay 0.01, cosine with 6% warm-up, clipping 1.0) and the same number of
-optimizer steps of 16 examples, trained four ways, each in its own process (so peak memory is its own):
+set read as raw texts (one epoch of `--steps` x 16), the same LoRA (r=8, alpha=16, dropout 0.05 on
+q_proj/v_proj), the same optimizer (AdamW 2e-4, weight decay 0.01, cosine with 6% warm-up, clipping 1.0) and
+the same number of optimizer steps of 16 examples, trained four ways, each in its own process (so peak memory
+is its own). loracls' own defaults differ (`head_init: auto` reads each text inside a prompt, `min_steps: 60`
+trains more than one epoch of a small set, `lr: 1e-3`): the loracls way sets them to the shared recipe, and
+every way asserts that it trained one epoch in `--steps` optimizer steps, so examples/s are the same work.
 
 - `seed`: the write-up's recipe and the baseline: `padding="max_length"` at 256 tokens, batches of 16,
   fp32, a plain loop.
@@ -73,6 +76,9 @@ def config(args: argparse.Namespace, out: str | None = None) -> TrainConfig:
         max_eval_examples=args.eval,
         max_length=MAX_LENGTH,
         epochs=1,
+        min_steps=0,  # exactly the one epoch every way trains
+        lr=2e-4,
+        head_init="zero",  # raw texts, no prompt, as the other ways read them
         batch_size=BATCH,
         warmup_steps=round(0.06 * args.steps),
         eval_every=10**6,
@@ -125,7 +131,7 @@ def peft_model(cfg: TrainConfig, labels: list[str], tokenizer):
     return get_peft_model(model, lora)
 
 
-def run_seed(cfg: TrainConfig, splits, tokenizer, device: torch.device) -> tuple[object, float]:
+def run_seed(cfg: TrainConfig, splits, tokenizer, device: torch.device) -> tuple[object, float, int]:
     """The write-up's loop: every text padded to 256 tokens, batches of 16, fp32."""
     from torch.optim import AdamW
     from torch.utils.data import DataLoader, TensorDataset
@@ -143,8 +149,7 @@ def run_seed(cfg: TrainConfig, splits, tokenizer, device: torch.device) -> tuple
     dataset = TensorDataset(encoded["input_ids"], encoded["attention_mask"], labels)
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0))
     optimizer = AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = len(loader)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, steps)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, len(loader))
     model.train()
     start = time.perf_counter()
     for input_ids, attention_mask, y in loader:
@@ -156,12 +161,12 @@ def run_seed(cfg: TrainConfig, splits, tokenizer, device: torch.device) -> tuple
         scheduler.step()
         optimizer.zero_grad()
     synchronize(device)
-    return model, time.perf_counter() - start
+    return model, time.perf_counter() - start, len(loader)
 
 
 def run_trainer(
     cfg: TrainConfig, splits, tokenizer, device: torch.device, matched: bool, out: str
-) -> tuple[object, float]:
+) -> tuple[object, float, int]:
     """HF Trainer + PEFT: documentation defaults, or its best settings matching loracls (`matched`)."""
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
@@ -196,7 +201,7 @@ def run_trainer(
     start = time.perf_counter()
     trainer.train()
     synchronize(device)
-    return trainer.model, time.perf_counter() - start
+    return trainer.model, time.perf_counter() - start, trainer.state.global_step
 
 
 def synchronize(device: torch.device) -> None:
@@ -222,6 +227,8 @@ def child(args: argparse.Namespace) -> dict:
             mix = batch_mix(cfg, tokenize(splits.train, tokenizer, MAX_LENGTH, splits.label2id))
             run, metrics = train(cfg)
             train_s, val = metrics["train"]["train_s"], metrics["best_val"]
+            steps = metrics["train"]["optimizer_steps"]
+            assert metrics["train"]["examples_seen"] == len(splits.train), metrics["train"]
             precision = metrics["train"]["mixed_precision"]
             log = [json.loads(line) for line in run.file("train_log.jsonl").read_text().splitlines()]
             logged = [r for r in log if r["kind"] == "train"]
@@ -231,20 +238,22 @@ def child(args: argparse.Namespace) -> dict:
             steady = sum(counts) / seconds if counts else None
         else:
             if args.way == "seed":
-                model, train_s = run_seed(cfg, splits, tokenizer, device)
+                model, train_s, steps = run_seed(cfg, splits, tokenizer, device)
                 precision = "no"
             else:
                 matched = args.way == "hf-matched"
-                model, train_s = run_trainer(cfg, splits, tokenizer, device, matched, tmp)
+                model, train_s, steps = run_trainer(cfg, splits, tokenizer, device, matched, tmp)
                 precision = mixed_precision(cfg.precision, device.type) if matched else "no"
             val_set = tokenize(splits.val, tokenizer, MAX_LENGTH, splits.label2id)
             probs = predict_probs(model, val_set, tokenizer, 2 * BATCH, device)
             val = score(splits.val, probs, splits.labels)
     examples = len(splits.train)
+    # the same work in every way: one epoch of these examples in ceil(examples / 16) optimizer steps
+    assert steps == math.ceil(examples / BATCH), f"{args.way} trained {steps} steps, not one epoch"
     return {
         "way": args.way,
         "precision": precision,
-        "optimizer_steps": math.ceil(examples / BATCH),
+        "optimizer_steps": steps,
         "examples": examples,
         "real_tokens": real_tokens,
         "padded_share_seed": 1 - real_tokens / (examples * MAX_LENGTH),
