@@ -233,6 +233,7 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
     asks for."""
     from peft.tuners.lora import LoraModel
 
+    import loracls.inference.predict
     import loracls.objective
     import loracls.training.train
 
@@ -251,6 +252,7 @@ def test_a_qlora_run_is_scored_as_it_was_validated(monkeypatch, tiny_models, toy
     monkeypatch.setattr(LoraModel, "merge_and_unload", lambda self, *a, **k: merges.append(1) or merge(self))
     monkeypatch.setattr(loracls.objective, "load_classifier", loader)  # what training and eval both load
     monkeypatch.setattr(loracls.training.train, "check_quantization", lambda *args: None)
+    monkeypatch.setattr(loracls.inference.predict, "four_bit_runs_here", lambda: True)
     out = tmp_path / "qlora"
     args = ["train", "--model", tiny_models["llama"], "--data", toy_csv, "--out", out, "--no-baseline", *FAST]
     result = invoke(*args, "--quantize", "4bit")

@@ -72,6 +72,11 @@ def merge_adapter(
     return (model if quantize else model.merge_and_unload()), tokenizer
 
 
+def four_bit_runs_here() -> bool:
+    """Whether bitsandbytes' 4-bit layers (a QLoRA run's base) can run here: they need a CUDA/ROCm GPU."""
+    return torch.cuda.is_available()
+
+
 @dataclass
 class Classifier:
     """A fine-tuned classifier ready for inference: LoRA merged into the base weights."""
@@ -137,7 +142,7 @@ class Classifier:
         run.check_finished(allow_unfinished)
         cfg, labels = run.read_config(), run.read_labels()
         quantize = None if full_precision else cfg.quantize
-        if quantize and not torch.cuda.is_available():  # bitsandbytes' 4-bit layers run on a GPU only
+        if quantize and not four_bit_runs_here():
             console.print(
                 f"{run_dir} trained LoRA on a 4-bit base (QLoRA), whose layers need a CUDA/ROCm GPU; this "
                 "machine has none, so it runs merged into the full-precision base (what its export holds): "
