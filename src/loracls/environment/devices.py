@@ -39,10 +39,10 @@ ROCM_BF16_ARCHS = ("gfx908", "gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
 and RDNA 3-4. Older ones (gfx906 MI50/MI60, gfx900, RDNA 1-2 gfx10xx) emulate it, slower than fp16."""
 
 
-def gpu_has_fast_bf16(index: int | None = None) -> bool:
+def gpu_has_fast_bf16() -> bool:
     """Whether the GPU computes bf16 in hardware, not emulated: `torch.cuda.is_bf16_supported()` answers yes
     on every ROCm GPU and, by emulation, on pre-Ampere CUDA GPUs (V100, T4), where fp16 is the fast one."""
-    device = torch.cuda.current_device() if index is None else index
+    device = torch.cuda.current_device()
     if torch.version.hip:
         arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
         return arch.split(":", 1)[0].startswith(ROCM_BF16_ARCHS)
