@@ -5,6 +5,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from loracls.config import TrainConfig
 from loracls.training.train import train
@@ -71,3 +72,57 @@ def test_a_log_gets_a_line_from_every_long_stage(tmp_path, tiny_models, toy_csv,
     ]:
         assert re.search(rf"^{stage}: (.*, )?\d+ of \d+ {unit}, about \d+ s left$", written, re.M), stage
         assert re.search(rf"^{stage}: (.*, )?(\d+) of \2 {unit}, done in \d+ s$", written, re.M), stage
+
+
+def test_wsd_warms_up_holds_then_decays_linearly_to_zero(tmp_path, tiny_models, toy_csv):
+    # 12 steps: warm-up 2, stable to step 9, the last 3 (decay_ratio 0.25) linear to 0; extend_up_to 1 never
+    # trains more than planned
+    log, metrics = run_log(
+        tmp_path, tiny_models, toy_csv, epochs=2, lr=1e-3, warmup_steps=2, eval_every=100,
+        schedule="wsd", decay_ratio=0.25, extend_up_to=1,
+    )  # fmt: skip
+    lrs = [r["lr"] for r in log if r["kind"] == "train"]
+    assert lrs == pytest.approx([1e-3 * f for f in [0.5] + [1.0] * 8 + [2 / 3, 1 / 3, 0.0]])
+    assert metrics["train"]["optimizer_steps"] == 12
+
+
+def test_wsd_trains_on_while_validation_improves_up_to_its_limit(
+    tmp_path, tiny_models, toy_csv, monkeypatch, log_file
+):
+    """Every validation counts as improved here: the decay due at step 9 moves after the next validation
+    (decay 3 steps: 15 in all), again at step 12 (18), and at 15 the limit (1.5 x 12 planned) holds it; the
+    progress line counts to the new end."""
+    from loracls.training import fit
+
+    real = fit.validate_and_keep_best
+    monkeypatch.setattr(fit, "validate_and_keep_best", lambda *args: real(*args) or True)
+    log, metrics = run_log(
+        tmp_path, tiny_models, toy_csv, epochs=2, lr=1e-3, warmup_steps=2, eval_every=3,
+        schedule="wsd", decay_ratio=0.25, extend_up_to=1.5,
+    )  # fmt: skip
+    lrs = {r["step"]: r["lr"] for r in log if r["kind"] == "train"}
+    assert sorted(lrs) == list(range(1, 19)) and metrics["train"]["optimizer_steps"] == 18
+    assert [lrs[s] / 1e-3 for s in (14, 15, 16, 17, 18)] == pytest.approx([1, 1, 2 / 3, 1 / 3, 0])
+    assert [r["step"] for r in log if r["kind"] == "eval"] == [3, 6, 9, 12, 15, 18]
+    out = log_file.getvalue()
+    assert "validation still improving before the decay: 15 steps in all (at most 18)" in out
+    assert "validation still improving before the decay: 18 steps in all (at most 18)" in out
+    assert re.search(r"^train: 18 of 18 steps, done in", out, re.M)
+
+
+def test_wsd_keeps_its_extended_end_through_the_schedulers_state_dict():
+    """A resume restores the scheduler with accelerate (`load_state_dict`): the extended total comes back."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from loracls.training.schedule import WarmupStableDecay
+
+    def scheduler(factor):
+        return LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), factor)
+
+    factor = WarmupStableDecay(warmup=2, decay=3, total=12, limit=24)
+    assert factor.extend(step=8, improved=True, eval_every=4) == 15  # 9 is due: after the next validation
+    assert factor.extend(step=4, improved=True, eval_every=4) is None  # not the last before the decay
+    assert factor.extend(step=12, improved=False, eval_every=4) is None
+    restored = WarmupStableDecay(warmup=2, decay=3, total=12, limit=24)
+    scheduler(restored).load_state_dict(scheduler(factor).state_dict())
+    assert restored.total == 15 and [restored(s) for s in (12, 13, 15)] == pytest.approx([1, 2 / 3, 0])

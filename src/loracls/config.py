@@ -152,6 +152,16 @@ class TrainConfig(PromptConfig):
     """Share of optimizer steps spent warming the learning rate up (ignored when `warmup_steps` is set)."""
     warmup_steps: int | None = None
     """Warm-up length in optimizer steps; overrides `warmup_ratio`."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after the warm-up: `cosine` (decays to 0 over the planned steps) or `wsd`
+    (warm-up, stable, decay: constant until the last `decay_ratio` of the steps, then linear to 0; when the
+    last validation before the decay still improves, the stable phase goes on past it, up to `extend_up_to`
+    times the planned steps, so a task that is still learning gets more steps)."""
+    decay_ratio: float = 0.2
+    """`schedule: wsd`: share of the planned steps over which the learning rate decays to 0."""
+    extend_up_to: float = 2.0
+    """`schedule: wsd`: at most this many times the planned steps (`epochs`, `min_steps`) while validation
+    still improves (1: never more than planned)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value before each optimizer step."""
     lora_r: int = 8
@@ -254,6 +264,9 @@ class TrainConfig(PromptConfig):
             "weight_decay": self.weight_decay >= 0,
             "warmup_ratio": 0 <= self.warmup_ratio < 1,
             "warmup_steps": self.warmup_steps is None or self.warmup_steps >= 0,
+            "schedule": self.schedule in ("cosine", "wsd"),
+            "decay_ratio": 0 < self.decay_ratio <= 1,
+            "extend_up_to": self.extend_up_to >= 1,
             "early_stopping_patience": self.early_stopping_patience is None
             or self.early_stopping_patience >= 1,
             "max_grad_norm": self.max_grad_norm > 0,
@@ -459,7 +472,7 @@ GROUPS = {
     ],
     "Optimisation": [
         *("epochs", "min_steps", "lr", "batch_size", "weight_decay", "warmup_ratio", "warmup_steps"),
-        *("max_grad_norm", "class_weights", "seed"),
+        *("schedule", "decay_ratio", "extend_up_to", "max_grad_norm", "class_weights", "seed"),
     ],
     "Validation, checkpoints, logs": [
         *("eval_every", "metric", "early_stopping_patience", "log_every", "save_every", "keep_checkpoints"),

@@ -48,13 +48,21 @@ class Stage:
     def advance(self, amount: float = 1.0) -> None:
         self.update(done=self.done + amount)
 
-    def update(self, done: float | None = None, at: str | None = None, note: str | None = None) -> None:
-        """Move the bar; on a console that is not a terminal, print how far it is now and then."""
+    def update(
+        self,
+        done: float | None = None,
+        at: str | None = None,
+        note: str | None = None,
+        total: float | None = None,
+    ) -> None:
+        """Move the bar (`total`: the stage turned out longer or shorter); on a console that is not a
+        terminal, print how far it is now and then."""
+        self.total = self.total if total is None else total
         self.done = self.done if done is None else done
         self.at = self.at if at is None else at
         self.note = self.note if note is None else note
         if _bars is not None and self.task is not None:
-            _bars.update(self.task, completed=self.done, at=self.at, note=self.note)
+            _bars.update(self.task, total=self.total, completed=self.done, at=self.at, note=self.note)
         now = time.monotonic()
         wait = FIRST_LINE_S if self.logged is None else LOG_EVERY_S
         if self.shown and not console.is_terminal and now - (self.logged or self.started) >= wait:

@@ -1,4 +1,4 @@
-"""`fit()`: the training loop (AdamW, cosine warm-up, accumulation, clipping), with its validation,
+"""`fit()`: the training loop (AdamW, warm-up and schedule, accumulation, clipping), with its validation,
 logging, checkpointing and stopping beside it as named helpers; they share one `Training`.
 
 The loop only sees the objective's `loss` (`objective.py`); validation and the final test its `probs`.
@@ -23,8 +23,7 @@ from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from datasets import Dataset
 from peft import PeftModel
-from torch.optim import AdamW
-from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
 from loracls.console import Stage, console, duration, progress
@@ -35,6 +34,7 @@ from loracls.objective import Objective
 from loracls.training import checkpoints
 from loracls.training.evaluate import evaluation_probs, score_validation
 from loracls.training.runs import RunFolder
+from loracls.training.schedule import WarmupStableDecay, optimizer_and_schedule, schedule_words
 from loracls.training.trainer_state import TrainerState, window_sums
 
 
@@ -90,7 +90,8 @@ def fit(
     objective: Objective,
     resume: Path | None = None,
 ) -> FitResult:
-    """Train with AdamW, cosine warm-up, accumulation and clipping; validate, keep the best, checkpoint.
+    """Train with AdamW, its schedule (`schedule.py`), accumulation and clipping; validate, keep the best,
+    checkpoint.
 
     With `resume`, the adapter, optimizer, scheduler, RNG states and data position come from that checkpoint,
     and training continues as if it had never stopped.
@@ -100,12 +101,14 @@ def fit(
     # each process takes every n-th batch (the last round is filled up from the start by accelerate)
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch), cfg.min_steps)
-    optimizer, scheduler = optimizer_and_schedule(model, cfg, total_steps)
+    optimizer, scheduler, factor = optimizer_and_schedule(model, cfg, total_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     checkpoints.register_adapter_hooks(accelerator, model)
     describe_shards(model, accelerator)
     state = start_state(total_steps, accelerator, tokenizer, run, resume)
-    training = Training(model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state)
+    training = Training(
+        model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state, factor
+    )
     console.print(plan_line(cfg, len(train_set), steps_per_epoch, total_steps, accelerator.num_processes))
 
     log_setup_peak(run, accelerator.device, state.step)
@@ -145,6 +148,7 @@ def fit(
                 if state.step % cfg.eval_every == 0 or state.step == state.total_steps:
                     with clock.paused():  # validation is not training time
                         improved = validate_and_keep_best(training, val_set, splits)
+                    extend_schedule(training, improved)
                 with clock.paused():
                     checkpoint_or_stop(training, stop, improved)
                 if state.step >= state.total_steps:
@@ -173,6 +177,8 @@ class Training:
     cfg: TrainConfig
     run: RunFolder
     state: TrainerState
+    factor: WarmupStableDecay | None
+    """`schedule: wsd`'s learning-rate factor (the scheduler's own object, restored with it); None: cosine."""
     params: list[torch.nn.Parameter] = field(init=False)
     """The trainable parameters as the prepared model holds them (FSDP has replaced them with shards)."""
     fingerprint: dict | None = field(init=False)
@@ -188,24 +194,12 @@ class Training:
         )
 
 
-def optimizer_and_schedule(model: torch.nn.Module, cfg: TrainConfig, total_steps: int):
-    """AdamW over the trainable parameters, and its cosine schedule with warm-up over `total_steps`."""
-    optimizer = AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
-    )
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, warmup_steps(cfg, total_steps), total_steps)
-
-
-def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
-    return cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_ratio * total_steps)
-
-
 def plan_line(cfg: TrainConfig, examples: int, steps_per_epoch: int, total_steps: int, processes: int) -> str:
-    """What the run will do: examples, optimizer steps, warm-up and how a batch is made."""
+    """What the run will do: examples, optimizer steps, schedule and how a batch is made."""
     return (
         f"{examples} training examples, {steps_per_epoch} optimizer steps per epoch, "
         f"{total_steps} in all{raised_by_min_steps(cfg, steps_per_epoch, total_steps)} "
-        f"(warm-up {warmup_steps(cfg, total_steps)}), batch {cfg.batch_size} = {accumulation(cfg)} x "
+        f"({schedule_words(cfg, total_steps)}), batch {cfg.batch_size} = {accumulation(cfg)} x "
         f"{cfg.micro_batch_size} examples, x {processes} process(es)"
     )
 
@@ -408,6 +402,23 @@ def validate_and_keep_best(training: Training, val_set: Dataset, splits: Splits)
     if stopping:
         console.print(f"Early stopping: no gain in {state.stale} validations")
     return improved
+
+
+def extend_schedule(training: Training, improved: bool) -> None:
+    """`schedule: wsd`: when the last validation before the decay improved, train on at a stable learning
+    rate to the next validation (`WarmupStableDecay.extend`), and say so."""
+    state, factor = training.state, training.factor
+    if factor is None:
+        return
+    total = factor.extend(state.step, improved, training.cfg.eval_every)
+    if total is None:
+        return
+    state.extend(total)
+    training.bar.update(total=total)
+    console.print(
+        f"step {state.step:>5} | validation still improving before the decay: {total} steps in all "
+        f"(at most {factor.limit})"
+    )
 
 
 def checkpoint_or_stop(training: Training, stop: StopSignals, improved: bool) -> None:

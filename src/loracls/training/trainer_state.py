@@ -15,7 +15,8 @@ class TrainerState:
     the methods below."""
 
     total_steps: int
-    """Optimizer steps the run will take (lowered when early stopping ends it)."""
+    """Optimizer steps the run will take (lowered when early stopping ends it, raised when `schedule: wsd`
+    trains on while validation improves)."""
     step: int = 0
     """Optimizer steps taken."""
     epoch: int = 0
@@ -67,6 +68,10 @@ class TrainerState:
             self.total_steps = self.step
             return True
         return False
+
+    def extend(self, total_steps: int) -> None:
+        """Train to `total_steps` instead (`schedule: wsd`, validation still improving)."""
+        self.total_steps = total_steps
 
     def set_window(self, loss: float, micro: int, examples: int, tokens: int) -> None:
         """The log window's loss, micro-batches, examples and tokens (a checkpoint gathers the processes')."""
