@@ -37,11 +37,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(path: Path, *options: str, program: tuple[str, ...] = ("-m", "loracls")):
-    """`loracls serve PATH` in a child process, ready; yields (base URL, process); stopped with SIGTERM.
-    `program`: what the interpreter runs instead of `-m loracls` (`-c SCRIPT`, which reads the arguments)."""
+def server(path: Path | list[str], *options: str, program: tuple[str, ...] = ("-m", "loracls")):
+    """`loracls serve PATH` (a list: `loracls serve NAME=PATH ...`) in a child process, ready; yields (base
+    URL, process); stopped with SIGTERM. `program`: what the interpreter runs instead of `-m loracls`
+    (`-c SCRIPT`, which reads the arguments)."""
     port = free_port()
-    command = [sys.executable, *program, "serve", str(path), "--port", str(port), *options]
+    paths = [str(p) for p in path] if isinstance(path, list) else [str(path)]
+    command = [sys.executable, *program, "serve", *paths, "--port", str(port), *options]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

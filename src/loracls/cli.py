@@ -381,7 +381,10 @@ def export(
 
 @app.command(cls=HelpCommand)
 def serve(
-    path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
+    paths: Annotated[
+        list[str],
+        typer.Argument(help="A finished run or export folder; several ([NAME=]PATH) share one base model"),
+    ],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = 8000,
     max_batch: Annotated[int, typer.Option(help="Texts in one forward pass at most", min=1)] = 32,
@@ -404,15 +407,15 @@ def serve(
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
 ) -> None:
-    """Serve a classifier over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
-    from loracls.inference.export_format import folder_kind
+    """Serve classifiers over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
+    from loracls.inference.shared_base import named_paths
 
     if precision not in ("auto", "fp32", "bf16"):
         fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))
     if int8 and precision == "bf16":
         fail(LoraclsError("--int8 runs the rest of the model in fp32; drop --precision bf16"))
     try:
-        folder_kind(path)
+        named = named_paths(paths)
     except LoraclsError as e:
         fail(e)
     quiet_libraries()
@@ -425,11 +428,6 @@ def serve(
         fail(
             LoraclsError(f"loracls serve needs its extra ({e.name} is missing): pip install 'loracls[serve]'")
         )
-    if int8:
-        try:
-            check_int8_cpu()
-        except LoraclsError as e:
-            fail(e)
     slow = emulated_bf16_warning(precision, inference_device().type)
     if slow:
         console.print(f"[yellow]{slow}[/]", soft_wrap=True)
@@ -437,7 +435,9 @@ def serve(
         max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts), body_timeout
     )
     try:
-        code = run_server(path, host, port, limits, precision, allow_unfinished, int8)
+        if int8:
+            check_int8_cpu()
+        code = run_server(named, host, port, limits, precision, allow_unfinished, int8)
     except LoraclsError as e:
         fail(e)
     raise typer.Exit(code)

@@ -47,6 +47,8 @@ class Job:
     generate: int | None
     """Tokens to generate per text (`objective: lm`); None: classify only."""
     done: Callable[[list[dict] | BaseException], None]
+    classifier: str | None = None
+    """Which of the server's classifiers answers (None: its first, the only one of most servers)."""
     queued: float = field(default_factory=time.perf_counter)
     records: list[dict] = field(default_factory=list)
     answered: bool = False
@@ -79,7 +81,7 @@ class Batcher:
 
     def __init__(
         self,
-        load: Callable[[], Classifier],
+        load: Callable[[], Classifier | dict[str, Classifier]],
         metrics: Metrics,
         max_batch: int = 32,
         max_wait_ms: float = 5.0,
@@ -91,7 +93,8 @@ class Batcher:
         self.waiting = 0  # texts queued, under `lock`
         self.closed = False  # no more jobs are taken, under `lock`
         self.lock = threading.Lock()
-        self.classifier: Classifier | None = None
+        self.classifiers: dict[str, Classifier] = {}
+        """What `load` returned: the classifiers by name (one server's classifiers share one base)."""
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         """Why the model failed to load."""
@@ -134,8 +137,10 @@ class Batcher:
 
     def run(self) -> None:
         try:
-            self.classifier = self.load()
-            self.classifier.predict_probs(["warm-up"])  # the first pass pays for lazy initialisation
+            loaded = self.load()
+            self.classifiers = loaded if isinstance(loaded, dict) else {"": loaded}
+            for classifier in self.classifiers.values():
+                classifier.predict_probs(["warm-up"])  # the first pass pays for lazy initialisation
         except BaseException as e:  # noqa: BLE001 - reported by /ready and the CLI
             self.failed = e
             self.ready.set()
@@ -210,24 +215,32 @@ class Batcher:
             else:
                 self.finish(job, result)
 
+    def of(self, job: Job) -> Classifier:
+        """The classifier that answers `job`."""
+        return self.classifiers[job.classifier] if job.classifier else next(iter(self.classifiers.values()))
+
     def classify(self, jobs: list[Job], encoded: Dataset | None = None) -> list[list[dict]]:
-        """Each job's records from one encoding and one forward pass (in passes of the classifier's
-        batch size) over all their texts."""
-        if encoded is None:
-            encoded = self.classifier.encode([text for job in jobs for text in job.texts])
-        probs = self.classifier.probs(encoded)
-        tokens = [len(ids) for ids in encoded["input_ids"]]  # what the model read, prompt included
-        results, start = [], 0
-        for job in jobs:
-            end = start + len(job.texts)
-            results.append(self.records(probs[start:end], tokens[start:end]))
-            start = end
-        return results
+        """Each job's records: per classifier, one encoding and one forward pass (in passes of its batch
+        size) over all its jobs' texts."""
+        results: dict[int, list[dict]] = {}
+        for name in dict.fromkeys(job.classifier for job in jobs):
+            group = [job for job in jobs if job.classifier == name]
+            classifier = self.of(group[0])
+            if encoded is None or len(group) < len(jobs):
+                encoded = classifier.encode([text for job in group for text in job.texts])
+            probs = classifier.probs(encoded)
+            tokens = [len(ids) for ids in encoded["input_ids"]]  # what the model read, prompt included
+            start = 0
+            for job in group:
+                end = start + len(job.texts)
+                results[id(job)] = self.records(classifier, probs[start:end], tokens[start:end])
+                start = end
+        return [results[id(job)] for job in jobs]
 
     def classify_alone(self, job: Job) -> list[dict] | BaseException:
         """One job's records, or its own error: a text the tokenizer refuses is named (422)."""
         try:
-            encoded = self.classifier.encode(job.texts)
+            encoded = self.of(job).encode(job.texts)
         except Exception:  # noqa: BLE001 - found and named below
             return self.encoding_error(job)
         try:
@@ -238,14 +251,15 @@ class Batcher:
     def encoding_error(self, job: Job) -> ServeError:
         for n, text in enumerate(job.texts):
             try:
-                self.classifier.encode([text])
+                self.of(job).encode([text])
             except Exception as e:  # noqa: BLE001 - the client's text, answered 422
                 return ServeError(422, f"text {n} cannot be tokenized: {type(e).__name__}: {e}")
         return ServeError(500, "the texts could not be tokenized together (each one alone could)")
 
-    def records(self, probs: np.ndarray, tokens: list[int]) -> list[dict]:
-        labels, thresholds = self.classifier.labels, self.classifier.thresholds
-        kind = self.classifier.label_type  # an `int` task answers integers, as `predict` does
+    @staticmethod
+    def records(classifier: Classifier, probs: np.ndarray, tokens: list[int]) -> list[dict]:
+        labels, thresholds = classifier.labels, classifier.thresholds
+        kind = classifier.label_type  # an `int` task answers integers, as `predict` does
         top = [label_value(labels[i], kind) for i in probs.argmax(1)]
         chosen = predicted_labels(probs, labels, thresholds)
         out = []
@@ -263,7 +277,7 @@ class Batcher:
         job = self.generating[0]
         n = next(i for i, r in enumerate(job.records) if "response" not in r)
         try:
-            response = self.classifier.generate([job.texts[n]], job.generate)[0]
+            response = self.of(job).generate([job.texts[n]], job.generate)[0]
         except Exception as e:  # noqa: BLE001 - this job's own failure
             self.generating.popleft()
             self.finish(job, e)

@@ -35,6 +35,7 @@ from loracls.inference.batcher import Batcher, Job, Metrics, ServeError
 from loracls.inference.export_format import folder_kind, read_export_info
 from loracls.inference.predict import Classifier
 from loracls.inference.serve_limits import BodyGuard, ServeLimits, error_body, unreadable_body
+from loracls.inference.shared_base import ClassifierSet, check_same_base, read_member
 from loracls.objective import objective_kind
 from loracls.training.runs import RunFolder
 
@@ -49,28 +50,34 @@ sorted passes of 4 faster than one padded pass of 16 arriving texts (benchmarks/
 
 
 class ClassifyRequest(BaseModel):
-    """vLLM's `/classify` request: `input` is one text or a list; `model` and other fields are accepted and
-    ignored (one model is served). `generate`/`max_new_tokens`: also say the response (`objective: lm`)."""
+    """vLLM's `/classify` request: `input` is one text or a list; `model` names the classifier (ignored by a
+    server of one), or a list of them for all their answers to the same texts (fan-out); other fields are
+    accepted and ignored. `generate`/`max_new_tokens`: also say the response (`objective: lm`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     input: str | list[str]
-    model: str | None = None
+    model: str | list[str] | None = None
     generate: bool = False
     max_new_tokens: int | None = None
 
 
 class PredictRequest(BaseModel):
-    """Hugging Face text-embeddings-inference's `/predict` request: `inputs`, one text or a list."""
+    """Hugging Face text-embeddings-inference's `/predict` request: `inputs`, one text or a list; `model`
+    names the classifier where a server holds several."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     inputs: str | list[str]
+    model: str | None = None
 
 
 ROUTES = "POST /classify, /v1/classify, /predict; GET /health, /ready, /metrics, /v1/models, /info"
 
 
-def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -> FastAPI:
-    """The FastAPI application serving the classifier that `load` returns; `info` describes it."""
+def build_app(
+    load: Callable[[], Classifier | dict[str, Classifier]], limits: ServeLimits, infos: dict[str, dict]
+) -> FastAPI:
+    """The FastAPI application serving the classifier(s) that `load` returns; `infos` describes each by
+    its name (`describe_model`)."""
     metrics = Metrics()
     batcher = Batcher(load, metrics, limits.max_batch, limits.max_wait_ms, limits.max_queue)
 
@@ -98,16 +105,22 @@ def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -
     @app.post("/v1/classify")
     async def classify(body: ClassifyRequest) -> dict:
         texts = [body.input] if isinstance(body.input, str) else body.input
-        records = await classify_texts(batcher, limits, texts, new_tokens(body, limits, info))
-        return classify_response(records, info["name"])
+        names = chosen(body.model, infos)
+        generate = new_tokens(body, limits, infos[names[0]])
+        answers = await asyncio.gather(*(classify_texts(batcher, limits, texts, generate, n) for n in names))
+        if isinstance(body.model, list):
+            return fan_out_response(dict(zip(names, answers, strict=True)))
+        return classify_response(answers[0], names[0])
 
     @app.post("/predict")
     async def predict(body: PredictRequest) -> list:
         single = isinstance(body.inputs, str)
-        records = await classify_texts(batcher, limits, [body.inputs] if single else body.inputs)
+        (name,) = chosen(body.model, infos)
+        records = await classify_texts(batcher, limits, [body.inputs] if single else body.inputs, None, name)
+        labels = infos[name]["labels"]
         ranked = [
             sorted(
-                ({"label": label, "score": p} for label, p in zip(info["labels"], r["probs"], strict=True)),
+                ({"label": label, "score": p} for label, p in zip(labels, r["probs"], strict=True)),
                 key=lambda x: -x["score"],
             )
             for r in records
@@ -134,12 +147,17 @@ def build_app(load: Callable[[], Classifier], limits: ServeLimits, info: dict) -
 
     @app.get("/v1/models")
     async def models() -> dict:
-        model = {"id": info["name"], "object": "model", "created": info["created"], "owned_by": "loracls"}
-        return {"object": "list", "data": [model]}
+        listed = [
+            {"id": name, "object": "model", "created": info["created"], "owned_by": "loracls"}
+            for name, info in infos.items()
+        ]
+        return {"object": "list", "data": listed}
 
     @app.get("/info")
     async def describe() -> dict:
-        return {**info, "limits": limits.__dict__}
+        if len(infos) == 1:
+            return {**next(iter(infos.values())), "limits": limits.__dict__}
+        return {"classifiers": list(infos.values()), "limits": limits.__dict__}
 
     return app
 
@@ -174,8 +192,31 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(422, f"invalid request: {problems}"), 422)
 
 
+def chosen(model: str | list[str] | None, infos: dict[str, dict]) -> list[str]:
+    """The classifiers a request names in `model`: a server of one answers with it whatever a single name
+    says (as before it held several); a list is a fan-out over distinct names it holds."""
+    names = list(infos)
+    if isinstance(model, list):
+        unknown = [m for m in model if m not in infos]
+        if not model or unknown or len(set(model)) < len(model):
+            problem = f"unknown {unknown}" if unknown else "an empty list" if not model else "a name twice"
+            raise ServeError(404 if unknown else 422, f"model: {problem}; the classifiers are {names}")
+        return model
+    if len(names) == 1:
+        return names
+    if model is None:
+        raise ServeError(422, f"this server holds {len(names)} classifiers: name one in `model` ({names})")
+    if model not in infos:
+        raise ServeError(404, f"The model `{model}` does not exist; the classifiers are {names}")
+    return [model]
+
+
 async def classify_texts(
-    batcher: Batcher, limits: ServeLimits, texts: list[str], generate: int | None = None
+    batcher: Batcher,
+    limits: ServeLimits,
+    texts: list[str],
+    generate: int | None = None,
+    classifier: str | None = None,
 ) -> list[dict]:
     """One request's texts through the batcher's queue: refused while the model loads or failed, or past
     the limits (`check_texts`); a failure of this request alone is a 500 with the reason."""
@@ -198,7 +239,7 @@ async def classify_texts(
 
         loop.call_soon_threadsafe(settle)
 
-    batcher.submit(Job(texts, generate, done))
+    batcher.submit(Job(texts, generate, done, classifier))
     try:
         return await future
     except ServeError:
@@ -240,6 +281,24 @@ def classify_response(records: list[dict], model: str) -> dict:
             "completion_tokens": 0,
             "prompt_tokens_details": None,
         },
+    }
+
+
+def fan_out_response(answers: dict[str, list[dict]]) -> dict:
+    """`/classify` with a list of classifiers: per text, each classifier's record (`results[name]`), and the
+    tokens all of them read."""
+    bodies = {name: classify_response(records, name) for name, records in answers.items()}
+    texts = len(next(iter(answers.values())))
+    tokens = sum(body["usage"]["prompt_tokens"] for body in bodies.values())
+    some = next(iter(bodies.values()))
+    return {
+        **some,
+        "model": list(answers),
+        "data": [
+            {"index": i, "results": {name: body["data"][i] | {"index": i} for name, body in bodies.items()}}
+            for i in range(texts)
+        ],
+        "usage": {**some["usage"], "prompt_tokens": tokens, "total_tokens": tokens},
     }
 
 
@@ -347,7 +406,7 @@ class DrainingServer:
 
 
 def serve(
-    path: Path,
+    paths: dict[str, Path],
     host: str,
     port: int,
     limits: ServeLimits,
@@ -355,24 +414,42 @@ def serve(
     allow_unfinished: bool = False,
     int8: bool = False,
 ) -> int:
-    """Run the service until SIGINT/SIGTERM (queued requests are answered first); returns the exit code:
-    0, or 1 when the model failed to load or the worker died. A port in use is refused before the model
-    loads (`LoraclsError`)."""
-    path = Path(path)
-    info = describe_model(path, allow_unfinished) | {"int8": None}
+    """Run the service of the classifiers `paths` names (several share one base model: `shared_base`) until
+    SIGINT/SIGTERM (queued requests are answered first); returns the exit code: 0, or 1 when the model
+    failed to load or the worker died. A port in use is refused before the model loads (`LoraclsError`), as
+    are classifiers that cannot share a base."""
+    infos = {
+        name: describe_model(path, allow_unfinished) | {"name": name, "int8": None}
+        for name, path in paths.items()
+    }
+    members = (
+        [read_member(name, path, allow_unfinished) for name, path in paths.items()] if len(paths) > 1 else []
+    )
+    if members:
+        if int8:
+            raise LoraclsError(
+                "--int8 quantises a merged model; classifiers that share a base keep LoRA unmerged"
+            )
+        check_same_base(members)
     sock = bind(host, port)
 
-    def load() -> Classifier:
-        classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
-        if int8:  # /info shows how int8 compared with fp32
-            info["int8"] = classifier.int8
+    def load() -> Classifier | dict[str, Classifier]:
+        if members:
+            classifiers = ClassifierSet.load(members, precision=precision).classifiers
         else:
-            classifier.precision = precision
-        on_gpu = next(classifier.model.parameters()).device.type != "cpu"
-        classifier.batch_size = limits.pass_size or (limits.max_batch if on_gpu else CPU_PASS)
-        return classifier
+            ((name, path),) = paths.items()
+            classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
+            if int8:  # /info shows how int8 compared with fp32
+                infos[name]["int8"] = classifier.int8
+            else:
+                classifier.precision = precision
+            classifiers = {name: classifier}
+        for classifier in classifiers.values():
+            on_gpu = next(classifier.model.parameters()).device.type != "cpu"
+            classifier.batch_size = limits.pass_size or (limits.max_batch if on_gpu else CPU_PASS)
+        return classifiers
 
-    server = DrainingServer(build_app(load, limits, info), host, port)
+    server = DrainingServer(build_app(load, limits, infos), host, port)
     batcher = server.batcher
 
     def watch() -> None:
@@ -385,15 +462,16 @@ def serve(
             if server.server.should_exit:
                 return
             time.sleep(0.05)
-        console.print(
-            f"ready: {info['name']} ({', '.join(map(str, info['labels']))}) on http://{host}:{port}"
-        )
+        for info in infos.values():
+            console.print(
+                f"ready: {info['name']} ({', '.join(map(str, info['labels']))}) on http://{host}:{port}"
+            )
         batcher.thread.join()
         if batcher.died is not None:
             console.print(f"[red]{batcher.closed_reason()}: exiting 1 for a supervisor to restart it[/]")
             server.drain()
 
     threading.Thread(target=watch, daemon=True).start()
-    console.print(f"loading {path} ...")
+    console.print(f"loading {', '.join(map(str, paths.values()))} ...")
     server.run(sock)
     return 1 if batcher.failed is not None or batcher.died is not None else 0
