@@ -179,3 +179,31 @@ def test_one_server_answers_each_classifier_and_fans_out(runs):
                 ]
                 np.testing.assert_allclose(got, expected[name], atol=1e-5)
         assert process.poll() is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gemma4mm", "qwen3"])
+def test_every_family_shares_its_base(family, tiny_models, tmp_path):
+    run = train_run(
+        tmp_path, tiny_models[family], toy_topics(60), family, "--head-init", "zero", "--no-baseline"
+    )
+    shared = ClassifierSet.load([read_member("a", run), read_member("b", run)], precision="fp32")
+    alone = own_probs(run)
+    encoded = {name: c.encode(TEXTS)["input_ids"] for name, c in shared.classifiers.items()}
+    for probs in shared.probs_mixed(encoded, batch_size=4).values():
+        np.testing.assert_allclose(probs, alone, atol=1e-5)
+    np.testing.assert_allclose(shared.classifiers["a"].predict_probs(TEXTS), alone, atol=1e-5)
+
+
+def test_a_multi_label_classifier_joins_with_its_thresholds(runs, tiny_models, tmp_path):
+    from tests.test_learning import topics
+
+    multi = train_run(tmp_path, tiny_models["llama"], topics(60), "multi", "--multi-label", "--no-baseline")
+    shared = ClassifierSet.load(
+        [read_member("topic", runs["topic"]), read_member("multi", multi)], precision="fp32"
+    )
+    alone = Classifier.load(multi)
+    alone.precision = "fp32"
+    classifier = shared.classifiers["multi"]
+    assert classifier.thresholds == alone.thresholds is not None
+    np.testing.assert_allclose(classifier.predict_probs(TEXTS), own_probs(multi), atol=1e-5)
+    assert [r["labels"] for r in classifier.predict(TEXTS)] == [r["labels"] for r in alone.predict(TEXTS)]
