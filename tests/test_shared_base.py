@@ -207,3 +207,25 @@ def test_a_multi_label_classifier_joins_with_its_thresholds(runs, tiny_models, t
     assert classifier.thresholds == alone.thresholds is not None
     np.testing.assert_allclose(classifier.predict_probs(TEXTS), own_probs(multi), atol=1e-5)
     assert [r["labels"] for r in classifier.predict(TEXTS)] == [r["labels"] for r in alone.predict(TEXTS)]
+
+
+def test_the_worker_answers_a_batch_of_several_classifiers_in_mixed_passes(runs, monkeypatch):
+    """Jobs for two classifiers in one batch: one call of `probs_mixed`, each job its own answers in order."""
+    from loracls.inference.batcher import Batcher, Job, Metrics
+
+    shared = ClassifierSet.load([read_member(name, path) for name, path in runs.items()], precision="fp32")
+    batcher = Batcher(lambda: shared, Metrics())
+    batcher.shared, batcher.classifiers = shared, shared.classifiers
+    calls, mixed = [], shared.probs_mixed
+    monkeypatch.setattr(shared, "probs_mixed", lambda *args: calls.append(args) or mixed(*args))
+    jobs = [
+        Job(TEXTS[:2], None, print, "topic"),
+        Job(TEXTS, None, print, "sentiment"),
+        Job(TEXTS[2:], None, print, "topic"),
+    ]
+    records = batcher.classify(jobs)
+    assert len(calls) == 1
+    topic, sentiment = own_probs(runs["topic"]), own_probs(runs["sentiment"])
+    for job, expected in zip(records, [topic[:2], sentiment, topic[2:]], strict=True):
+        np.testing.assert_allclose([r["probs"] for r in job], expected, atol=1e-5)
+    assert records[1][0]["num_classes"] == 2 and records[0][0]["num_classes"] == 3

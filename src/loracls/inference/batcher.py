@@ -1,4 +1,6 @@
-"""The serving queue: requests wait as `Job`s, and one worker thread (`Batcher`) owns the classifier.
+"""The serving queue: requests wait as `Job`s, and one worker thread (`Batcher`) owns the classifier (or the
+classifiers that share one base model: a job names its own, and a batch of several runs their rows mixed in
+shared forward passes).
 
 The worker takes up to `max_batch` texts, or what arrived within `max_wait_ms` of the first, and answers every
 job with its own results in its own order. No request handler touches the model, so it is never called from
@@ -26,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from loracls.data.labels import label_value
 from loracls.inference.predict import Classifier
+from loracls.inference.shared_base import ClassifierSet
 from loracls.training.evaluate import predicted_labels
 
 log = logging.getLogger("loracls.inference.serve")
@@ -81,7 +84,7 @@ class Batcher:
 
     def __init__(
         self,
-        load: Callable[[], Classifier | dict[str, Classifier]],
+        load: Callable[[], Classifier | dict[str, Classifier] | ClassifierSet],
         metrics: Metrics,
         max_batch: int = 32,
         max_wait_ms: float = 5.0,
@@ -94,7 +97,9 @@ class Batcher:
         self.closed = False  # no more jobs are taken, under `lock`
         self.lock = threading.Lock()
         self.classifiers: dict[str, Classifier] = {}
-        """What `load` returned: the classifiers by name (one server's classifiers share one base)."""
+        """What `load` returned: the classifiers by name."""
+        self.shared: ClassifierSet | None = None
+        """Where `load` returned several classifiers on one base: their set, for passes that mix them."""
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         """Why the model failed to load."""
@@ -138,6 +143,8 @@ class Batcher:
     def run(self) -> None:
         try:
             loaded = self.load()
+            if isinstance(loaded, ClassifierSet):
+                self.shared, loaded = loaded, loaded.classifiers
             self.classifiers = loaded if isinstance(loaded, dict) else {"": loaded}
             for classifier in self.classifiers.values():
                 classifier.predict_probs(["warm-up"])  # the first pass pays for lazy initialisation
@@ -220,20 +227,32 @@ class Batcher:
         return self.classifiers[job.classifier] if job.classifier else next(iter(self.classifiers.values()))
 
     def classify(self, jobs: list[Job], encoded: Dataset | None = None) -> list[list[dict]]:
-        """Each job's records: per classifier, one encoding and one forward pass (in passes of its batch
-        size) over all its jobs' texts."""
+        """Each job's records: per classifier, one encoding of all its jobs' texts (`encoded`: one job's,
+        done already); then one forward pass (in passes of the classifier's batch size) over them, or with
+        several classifiers of one base, passes that mix their rows (`ClassifierSet.probs_mixed`)."""
+        groups: dict[str | None, list[Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.classifier, []).append(job)
+        encodings = {
+            name: encoded
+            if encoded is not None
+            else self.of(group[0]).encode([t for j in group for t in j.texts])
+            for name, group in groups.items()
+        }
+        if self.shared is not None and len(groups) > 1:
+            ids = {name: encoding["input_ids"] for name, encoding in encodings.items()}
+            probs = self.shared.probs_mixed(ids, self.of(jobs[0]).batch_size)
+        else:
+            probs = {name: self.of(group[0]).probs(encodings[name]) for name, group in groups.items()}
         results: dict[int, list[dict]] = {}
-        for name in dict.fromkeys(job.classifier for job in jobs):
-            group = [job for job in jobs if job.classifier == name]
-            classifier = self.of(group[0])
-            if encoded is None or len(group) < len(jobs):
-                encoded = classifier.encode([text for job in group for text in job.texts])
-            probs = classifier.probs(encoded)
-            tokens = [len(ids) for ids in encoded["input_ids"]]  # what the model read, prompt included
+        for name, group in groups.items():
+            tokens = [
+                len(ids) for ids in encodings[name]["input_ids"]
+            ]  # what the model read, prompt included
             start = 0
             for job in group:
                 end = start + len(job.texts)
-                results[id(job)] = self.records(classifier, probs[start:end], tokens[start:end])
+                results[id(job)] = self.records(self.of(job), probs[name][start:end], tokens[start:end])
                 start = end
         return [results[id(job)] for job in jobs]
 

@@ -74,7 +74,7 @@ ROUTES = "POST /classify, /v1/classify, /predict; GET /health, /ready, /metrics,
 
 
 def build_app(
-    load: Callable[[], Classifier | dict[str, Classifier]], limits: ServeLimits, infos: dict[str, dict]
+    load: Callable[[], dict[str, Classifier] | ClassifierSet], limits: ServeLimits, infos: dict[str, dict]
 ) -> FastAPI:
     """The FastAPI application serving the classifier(s) that `load` returns; `infos` describes each by
     its name (`describe_model`)."""
@@ -433,9 +433,11 @@ def serve(
         check_same_base(members)
     sock = bind(host, port)
 
-    def load() -> Classifier | dict[str, Classifier]:
+    def load() -> dict[str, Classifier] | ClassifierSet:
+        loaded = None
         if members:
-            classifiers = ClassifierSet.load(members, precision=precision).classifiers
+            loaded = ClassifierSet.load(members, precision=precision)
+            classifiers = loaded.classifiers
         else:
             ((name, path),) = paths.items()
             classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
@@ -447,7 +449,7 @@ def serve(
         for classifier in classifiers.values():
             on_gpu = next(classifier.model.parameters()).device.type != "cpu"
             classifier.batch_size = limits.pass_size or (limits.max_batch if on_gpu else CPU_PASS)
-        return classifiers
+        return loaded or classifiers
 
     server = DrainingServer(build_app(load, limits, infos), host, port)
     batcher = server.batcher
