@@ -123,6 +123,8 @@ def test_wsd_keeps_its_extended_end_through_the_schedulers_state_dict():
     assert factor.extend(step=8, improved=True, eval_every=4) == 15  # 9 is due: after the next validation
     assert factor.extend(step=4, improved=True, eval_every=4) is None  # not the last before the decay
     assert factor.extend(step=12, improved=False, eval_every=4) is None
+    first = WarmupStableDecay(warmup=2, decay=3, total=12, limit=24)
+    assert first.extend(step=8, improved=True, eval_every=8) is None  # the first validation: no evidence
     restored = WarmupStableDecay(warmup=2, decay=3, total=12, limit=24)
     scheduler(restored).load_state_dict(scheduler(factor).state_dict())
     assert restored.total == 15 and [restored(s) for s in (12, 13, 15)] == pytest.approx([1, 2 / 3, 0])

@@ -155,8 +155,9 @@ class TrainConfig(PromptConfig):
     schedule: str = "cosine"
     """Learning-rate schedule after the warm-up: `cosine` (decays to 0 over the planned steps) or `wsd`
     (warm-up, stable, decay: constant until the last `decay_ratio` of the steps, then linear to 0; when the
-    last validation before the decay still improves, the stable phase goes on past it, up to `extend_up_to`
-    times the planned steps, so a task that is still learning gets more steps)."""
+    last validation before the decay still improves on an earlier one, the stable phase goes on to the next
+    validation, up to `extend_up_to` times the planned steps, so a task that is still learning gets more
+    steps; it needs two validations before the decay: `eval_every` at most 40% of the steps)."""
     decay_ratio: float = 0.2
     """`schedule: wsd`: share of the planned steps over which the learning rate decays to 0."""
     extend_up_to: float = 2.0

@@ -31,10 +31,11 @@ class WarmupStableDecay:
         return max(0.0, (self.total - step) / max(1, self.decay))
 
     def extend(self, step: int, improved: bool, eval_every: int) -> int | None:
-        """After a validation at `step`: when it `improved` and it is the last validation before the decay
-        begins, the new total that puts the decay after the next validation (at most `limit`); else None."""
+        """After a validation at `step`: when it `improved` on an earlier one (the first validation always
+        improves: that says nothing) and it is the last validation before the decay begins, the new total
+        that puts the decay after the next validation (at most `limit`); else None."""
         decay_start = self.total - self.decay
-        if not improved or not decay_start - eval_every < step <= decay_start:
+        if not improved or step <= eval_every or not decay_start - eval_every < step <= decay_start:
             return None
         total = min(step + eval_every + self.decay, self.limit)
         if total <= self.total:
