@@ -43,6 +43,20 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["serve.py", "--texts", "256", "--requests", "96", "--out", "{out}/serve.json"],
         ["serve.py", "--texts", "16", "--requests", "8", "--out", "{out}/serve.json"],
     ),
+    "serve_shared": (
+        ["serve_shared.py", "--texts", "64", "--requests", "96", "--out", "{out}/serve_shared.json"],
+        [
+            "serve_shared.py",
+            "--texts",
+            "8",
+            "--requests",
+            "8",
+            "--rounds",
+            "1",
+            "--out",
+            "{out}/serve_shared.json",
+        ],
+    ),
     "train_throughput": (
         ["train_throughput.py", "--steps", "24", "--eval", "200", "--out", "{out}/train_throughput.json"],
         [

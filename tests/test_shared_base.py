@@ -79,8 +79,9 @@ def test_each_classifier_on_the_shared_base_answers_as_it_does_alone(runs):
     mixed = shared.probs_mixed(encoded, batch_size=4)
     for name, path in runs.items():
         np.testing.assert_allclose(mixed[name], own_probs(path), atol=1e-5)
-    # one LoRA base: two adapters, no second copy of the base's weights
+    # one LoRA base: two adapters, no second copy of the base's weights, one tokenizer (the same files)
     assert set(shared.shared.peft_config) == {"sentiment", "topic"}
+    assert shared.classifiers["sentiment"].tokenizer is shared.classifiers["topic"].tokenizer
 
 
 def test_classifiers_of_different_bases_are_refused_naming_them(runs, tiny_models, tmp_path):

@@ -11,6 +11,7 @@ pooled hidden state of each text's last token; a classifier's head (a `Linear` r
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,7 +151,7 @@ class ClassifierSet:
         )
         hidden = getattr(base, head_name(base)).in_features
         setattr(base, head_name(base), torch.nn.Identity())
-        tokenizers = [load_tokenizer(str(m.adapter)) for m in members]
+        tokenizers = shared_tokenizers(members)
         pads = {m.name: t.pad_token_id for m, t in zip(members, tokenizers, strict=True)}
         if len(set(pads.values())) > 1:
             raise LoraclsError(
@@ -211,6 +212,23 @@ class ClassifierSet:
                     probs = torch.sigmoid(logits) if multi else torch.softmax(logits, -1)
                     result[name][[chunk[n][1] for n in picked]] = probs.cpu().numpy()
         return result
+
+
+def shared_tokenizers(members: list[Member]) -> list:
+    """Each member's tokenizer, one object for the members whose tokenizer files are the same (runs on one
+    base usually are): a Gemma tokenizer holds about 250 MB, more than 16 adapters and heads together."""
+    loaded: dict[str, object] = {}
+    tokenizers = []
+    for member in members:
+        digest = hashlib.sha256()
+        for file in sorted(member.adapter.iterdir()):
+            if file.is_file() and not file.name.startswith(("adapter_", "README")):
+                digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        key = digest.hexdigest()
+        if key not in loaded:
+            loaded[key] = load_tokenizer(str(member.adapter))
+        tokenizers.append(loaded[key])
+    return tokenizers
 
 
 def read_adapter(member: Member, hidden: int) -> tuple[LoraConfig, dict, torch.nn.Linear]:
