@@ -408,7 +408,7 @@ def serve(
     int8: Annotated[bool, INT8] = False,
 ) -> None:
     """Serve classifiers over HTTP: POST /classify (vLLM's API), /predict, GET /health, /ready, /metrics."""
-    from loracls.inference.shared_base import named_paths
+    from loracls.inference.export_format import named_paths
 
     if precision not in ("auto", "fp32", "bf16"):
         fail(LoraclsError(f"--precision must be auto, fp32 or bf16, not {precision!r}"))

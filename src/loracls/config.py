@@ -211,6 +211,10 @@ class TrainConfig(PromptConfig):
     """Stop after this many validations without improvement of the best validation metric."""
     metric: str = "macro_f1"
     """Validation metric that picks the best checkpoint: `macro_f1` or `accuracy`."""
+    temperature_scaling: bool = True
+    """After training, fit one temperature on the validation split (single-label) that every later reading
+    of the run applies (`eval`, `predict`, `serve`, the export): probabilities you can threshold, the same
+    labels. metrics.json's `calibration` has the test ECE before and after."""
     quantize: str | None = None
     """`4bit`: QLoRA, the base model's linear layers in 4-bit NF4 through bitsandbytes. Needs a CUDA GPU (or
     ROCm with a bitsandbytes build that supports it: `loracls doctor` tells); refused elsewhere."""
@@ -476,7 +480,8 @@ GROUPS = {
         *("schedule", "decay_ratio", "extend_up_to", "max_grad_norm", "class_weights", "seed"),
     ],
     "Validation, checkpoints, logs": [
-        *("eval_every", "metric", "early_stopping_patience", "log_every", "save_every", "keep_checkpoints"),
+        *("eval_every", "metric", "temperature_scaling", "early_stopping_patience", "log_every"),
+        *("save_every", "keep_checkpoints"),
         *("track", "out"),
     ],
     "Prompt and baseline": [

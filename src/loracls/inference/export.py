@@ -21,8 +21,14 @@ from loracls.environment.micro_batch import eval_batch_size
 from loracls.errors import LoraclsError
 from loracls.files import atomic_folder, share_as_umask_allows
 from loracls.inference.export_format import EXPORT_INFO, INT8_RANGES
-from loracls.inference.predict import Classifier, int8_from_run, quantize_checked, run_thresholds
-from loracls.model import load_tokenizer
+from loracls.inference.predict import (
+    Classifier,
+    int8_from_run,
+    quantize_checked,
+    run_temperature,
+    run_thresholds,
+)
+from loracls.model import head_name, load_tokenizer
 from loracls.objective import input_prompter, objective_kind
 from loracls.training.runs import RunFolder, write_json
 
@@ -91,6 +97,8 @@ def export_run(
                 if cfg.quantize and not adapter_only
                 else None,
                 "thresholds": run_thresholds(run, labels) if cfg.multi_label else None,
+                "temperature": run_temperature(run),
+                "temperature_in_head": not adapter_only and cfg.objective == "head",
                 "prompt": prompter.to_json() if prompter else None,
                 "tokenizer_adds_prompt": in_tokenizer,
                 "objective": cfg.objective,
@@ -112,6 +120,7 @@ def write_merged(
     with progress("export", 4, "steps") as stage:
         stage.update(at="merging LoRA into the base")
         classifier = Classifier.from_run(run.path, torch.device("cpu"), allow_unfinished, full_precision=True)
+        fold_temperature(classifier, objective)
         stage.update(1, at="saving the merged model")
         classifier.model.save_pretrained(folder)
         classifier.tokenizer.save_pretrained(folder)
@@ -123,6 +132,20 @@ def write_merged(
         check_reload(folder, classifier)
         stage.update(4)
     return classifier, in_tokenizer
+
+
+def fold_temperature(classifier: Classifier, objective: str) -> None:
+    """A merged classifier's head divided by its run's temperature, so that every consumer of the export
+    (`pipeline`, vLLM) reads the calibrated probabilities; the classifier then applies none of its own. An
+    `objective: lm` export keeps its LM head (generation reads it): `loracls.json` carries the temperature."""
+    if objective != "head" or classifier.temperature == 1.0:
+        return
+    head = getattr(classifier.model, head_name(classifier.model))
+    with torch.no_grad():
+        head.weight.div_(classifier.temperature)
+        if head.bias is not None:
+            head.bias.div_(classifier.temperature)
+    classifier.temperature = 1.0
 
 
 PROMPT_PARTS = ("LORACLS_PROMPT_PREFIX", "LORACLS_PROMPT_SUFFIX")

@@ -46,3 +46,18 @@ def reads_texts(info: dict) -> str:
 
 def shortened(text: str, width: int = 40) -> str:
     return repr(text if len(text) <= width else "..." + text[-width:])
+
+
+def named_paths(args: list[str]) -> dict[str, Path]:
+    """`loracls serve`'s folders (runs or exports) by the name requests use: `NAME=PATH`, or a folder's own
+    name; refused when two share a name or one is neither a run nor an export."""
+    paths: dict[str, Path] = {}
+    for arg in args:
+        name, _, folder = arg.rpartition("=") if "=" in arg else ("", "", arg)
+        path = Path(folder)
+        name = name or path.resolve().name
+        if name in paths:
+            raise LoraclsError(f"two classifiers are named {name!r}; name them apart with NAME=PATH")
+        folder_kind(path)
+        paths[name] = path
+    return paths

@@ -29,6 +29,7 @@ from loracls.inference import int8 as int8_module
 from loracls.inference.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.model import load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
+from loracls.training.calibration import with_temperature
 from loracls.training.evaluate import (
     label_matrix,
     predict_probs,
@@ -100,6 +101,9 @@ class Classifier:
     """With the decoder's linear layers in int8 (CPU): how it compared with fp32 on the run's test split."""
     label_type: str = "str"
     """`int`: `predict` gives labels as integers, as the training data had them (`label_value`)."""
+    temperature: float = 1.0
+    """The run's temperature (fitted on validation: `training/calibration.py`), applied to the probabilities
+    of a single-label classifier; 1: none, or already folded into a merged export's head."""
 
     def __post_init__(self) -> None:
         if self.objective is None:
@@ -174,6 +178,7 @@ class Classifier:
             prompter=prompter,
             objective=objective_kind(cfg.objective).for_inference(model, prompter, labels),
             label_type=cfg.label_type,
+            temperature=run_temperature(run),
         )
 
     @classmethod
@@ -212,6 +217,7 @@ class Classifier:
             prompter=prompter,
             objective=objective_kind(objective).for_inference(model, prompter, info["labels"]),
             label_type=info.get("label_type", "str"),
+            temperature=1.0 if info.get("temperature_in_head") else info.get("temperature", 1.0),
         )
         if int8:
             classifier.precision, classifier.int8 = "fp32", info["int8"]
@@ -226,9 +232,10 @@ class Classifier:
         return self.probs(self.encode(texts), stage)
 
     def probs(self, dataset: Dataset, stage: str | None = None) -> np.ndarray:
-        """Class probabilities of texts `encode` tokenised, in their order; `stage` names a progress bar."""
+        """Class probabilities of texts `encode` tokenised, in their order, with the run's temperature;
+        `stage` names a progress bar."""
         device = next(self.model.parameters()).device
-        return predict_probs(
+        probs = predict_probs(
             self.model,
             dataset,
             self.tokenizer,
@@ -238,6 +245,7 @@ class Classifier:
             objective=self.objective,
             stage=stage,
         )
+        return with_temperature(probs, self.temperature) if self.thresholds is None else probs
 
     @torch.inference_mode()
     def generate(self, texts: list[str], max_new_tokens: int = 64, stage: str | None = None) -> list[str]:
@@ -332,6 +340,12 @@ def prediction_lines(records: list[dict], inputs: pd.DataFrame | None = None, te
         record = {f"{k}_predicted" if k in row else k: v for k, v in record.items()}
         lines.append(json.dumps(row | record, ensure_ascii=False))
     return lines
+
+
+def run_temperature(run: RunFolder) -> float:
+    """A single-label run's temperature (`temperature.json`, written after training); 1 without one."""
+    fitted = run.file("temperature.json")
+    return json.loads(fitted.read_text(encoding="utf-8"))["temperature"] if fitted.is_file() else 1.0
 
 
 def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:

@@ -26,9 +26,10 @@ from loracls.environment.devices import inference_autocast, inference_device
 from loracls.environment.micro_batch import eval_batch_size
 from loracls.errors import LoraclsError
 from loracls.inference.export_format import folder_kind, read_export_info
-from loracls.inference.predict import Classifier, run_thresholds
+from loracls.inference.predict import Classifier, run_temperature, run_thresholds
 from loracls.model import head_name, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, input_prompter, objective_kind
+from loracls.training.calibration import with_temperature
 from loracls.training.runs import RunFolder
 
 
@@ -49,6 +50,8 @@ class Member:
     prompt: dict | None
     """An export's prompt (`Prompter.to_json`); a run's comes from its config (`run_cfg`)."""
     run_cfg: object | None = None
+    temperature: float = 1.0
+    """The run's temperature (`predict.run_temperature`), applied to a single-label member's probabilities."""
     trust_remote_code: bool = False
     allow_pickle: bool = False
 
@@ -68,7 +71,7 @@ def read_member(name: str, path: Path, allow_unfinished: bool = False) -> Member
         member = Member(
             name, path, run.best, cfg.model, labels, cfg.max_length, eval_batch_size(cfg.micro_batch_size),
             run_thresholds(run, labels) if cfg.multi_label else None, cfg.label_type, None, cfg,
-            cfg.trust_remote_code, cfg.allow_pickle,
+            run_temperature(run), cfg.trust_remote_code, cfg.allow_pickle,
         )  # fmt: skip
     else:
         info = read_export_info(path)
@@ -81,7 +84,8 @@ def read_member(name: str, path: Path, allow_unfinished: bool = False) -> Member
         objective = info.get("objective", "head")
         member = Member(
             name, path, path, info["base_model"], info["labels"], info["max_length"], info["batch_size"],
-            info.get("thresholds"), info.get("label_type", "str"), info.get("prompt"),
+            info.get("thresholds"), info.get("label_type", "str"), info.get("prompt"), None,
+            info.get("temperature", 1.0),
         )  # fmt: skip
     if objective != "head":
         refuse(name, path, f"objective: {objective} scores with the LM head, not a classification head")
@@ -181,7 +185,7 @@ class ClassifierSet:
                 model, tokenizer, member.labels, member.max_length, member.batch_size,
                 thresholds=member.thresholds, precision=precision,
                 prompter=member_prompter(member, tokenizer), objective=ClassificationHead(multi_label=multi),
-                label_type=member.label_type,
+                label_type=member.label_type, temperature=member.temperature,
             )  # fmt: skip
         return cls(shared, classifiers)
 
@@ -211,6 +215,9 @@ class ClassifierSet:
                     multi = model.config.problem_type == "multi_label_classification"
                     probs = torch.sigmoid(logits) if multi else torch.softmax(logits, -1)
                     result[name][[chunk[n][1] for n in picked]] = probs.cpu().numpy()
+        for name, classifier in self.classifiers.items():
+            if name in result and classifier.thresholds is None:
+                result[name] = with_temperature(result[name], classifier.temperature)
         return result
 
 
@@ -259,18 +266,3 @@ def member_prompter(member: Member, tokenizer) -> Prompter | None:
     if member.run_cfg is not None:
         return input_prompter(tokenizer, member.run_cfg, member.labels)
     return Prompter.from_json(tokenizer, member.prompt, member.max_length) if member.prompt else None
-
-
-def named_paths(args: list[str]) -> dict[str, Path]:
-    """`loracls serve`'s folders (runs or exports) by the name requests use: `NAME=PATH`, or a folder's own
-    name; refused when two share a name or one is neither a run nor an export."""
-    paths: dict[str, Path] = {}
-    for arg in args:
-        name, _, folder = arg.rpartition("=") if "=" in arg else ("", "", arg)
-        path = Path(folder)
-        name = name or path.resolve().name
-        if name in paths:
-            raise LoraclsError(f"two classifiers are named {name!r}; name them apart with NAME=PATH")
-        folder_kind(path)
-        paths[name] = path
-    return paths

@@ -31,6 +31,7 @@ from loracls.data.splits import Splits
 from loracls.environment.micro_batch import eval_batch_size
 from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
+from loracls.training.calibration import calibrate
 from loracls.training.runs import RunFolder
 
 
@@ -275,3 +276,37 @@ def score_validation(probs: np.ndarray, splits: Splits, cfg: TrainConfig, run: R
         path = run.file(f"val_predictions/step_{step:06d}.jsonl")
         write_predictions_jsonl(path, splits.val, probs, splits.labels, thresholds=thresholds)
     return score(splits.val, probs, splits.labels, thresholds)
+
+
+def score_test_split(
+    best: torch.nn.Module,
+    val_set: Dataset,
+    test_set: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    splits: Splits,
+    cfg: TrainConfig,
+    run: RunFolder,
+    accelerator: Accelerator,
+    objective: Objective,
+) -> tuple[dict, dict | None]:
+    """Score the test split and write every prediction to RUN/test_predictions.jsonl. Validation is scored
+    first: multi-label runs tune their thresholds on it (thresholds.json), single-label runs with
+    `temperature_scaling` fit their temperature (temperature.json), which the test's probabilities, and every
+    later reading of the run, then carry. Returns the test metrics and the calibration summary (None
+    without one)."""
+    thresholds, calibration = None, None
+    if cfg.multi_label or cfg.temperature_scaling:
+        why = "thresholds" if cfg.multi_label else "temperature"
+        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective, why)
+    if cfg.multi_label:
+        thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
+        run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
+    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective, "test")
+    if cfg.temperature_scaling and not cfg.multi_label:
+        gold = [np.array([splits.label2id[x] for x in t["label"]]) for t in (splits.val, splits.test)]
+        temperature, probs, calibration = calibrate(val_probs, gold[0], probs, gold[1])
+        run.write_json("temperature.json", {"temperature": temperature})
+    if run.main:
+        path = run.file("test_predictions.jsonl")
+        write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)
+    return score(splits.test, probs, splits.labels, thresholds), calibration

@@ -42,14 +42,7 @@ from loracls.training.baseline import (
     baseline_summary,
     prompt_and_baseline,
 )
-from loracls.training.evaluate import (
-    describe_learning,
-    evaluation_probs,
-    learning_summary,
-    score,
-    tune_thresholds,
-    write_predictions_jsonl,
-)
+from loracls.training.evaluate import describe_learning, learning_summary, score_test_split
 from loracls.training.fit import FitResult, accumulation, fit
 from loracls.training.report import build_report, read_jsonl
 from loracls.training.runs import RunFolder, default_out, environment, write_jsonl
@@ -330,13 +323,16 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
 
     run.stage = "testing the best checkpoint"
     best = best_model(model, result, cfg, run, accelerator)
-    test = score_test_split(best, val_set, test_set, tokenizer, splits, cfg, run, accelerator, objective)
+    test, calibration = score_test_split(
+        best, val_set, test_set, tokenizer, splits, cfg, run, accelerator, objective
+    )
     log = read_jsonl(run.file("train_log.jsonl")) if run.main else []
     metrics = {
         "test": test,
         "baseline": baseline_summary(baseline),
         "best_val": {"step": result.best_step, **result.best_val},
         "learning": learning_summary(log, cfg.metric, result.steps, test),
+        "calibration": calibration,
         **run_figures(result, cfg, splits, share, plan, accelerator),
     }
     run.write_json("metrics.json", metrics)
@@ -444,31 +440,6 @@ def best_model(
     model = accelerator.unwrap_model(model)
     set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
     return model if cfg.quantize else model.merge_and_unload()
-
-
-def score_test_split(
-    best: torch.nn.Module,
-    val_set: Dataset,
-    test_set: Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    splits: Splits,
-    cfg: TrainConfig,
-    run: RunFolder,
-    accelerator: Accelerator,
-    objective: Objective,
-) -> dict:
-    """Score the test split (multi-label: with thresholds tuned on validation, written to thresholds.json)
-    and write every prediction to RUN/test_predictions.jsonl."""
-    thresholds = None
-    if cfg.multi_label:
-        val_probs = evaluation_probs(best, val_set, tokenizer, cfg, accelerator, objective, "thresholds")
-        thresholds = tune_thresholds(splits.val, val_probs, splits.labels)
-        run.write_json("thresholds.json", dict(zip(splits.labels, thresholds.tolist(), strict=True)))
-    probs = evaluation_probs(best, test_set, tokenizer, cfg, accelerator, objective, "test")
-    if run.main:
-        path = run.file("test_predictions.jsonl")
-        write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)
-    return score(splits.test, probs, splits.labels, thresholds)
 
 
 def print_outcome(run: RunFolder, metrics: dict) -> None:
