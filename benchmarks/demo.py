@@ -49,6 +49,9 @@ def main() -> None:
             "test": {k: metrics["test"][k] for k in ("accuracy", "macro_f1", "pred_distribution", "n")},
             "baseline": baseline,
             "best_val": metrics["best_val"],
+            "calibration": {  # the temperature fitted on validation; the test ECE before and after it
+                k: v for k, v in (metrics.get("calibration") or {}).items() if not k.startswith("bins")
+            },
             "train": metrics["train"],
             "wall_s": round(wall, 1),
             "env_json": json.loads((run.path / "env.json").read_text(encoding="utf-8")).get(

@@ -45,14 +45,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(export: Path, port: int, max_wait_ms: float) -> subprocess.Popen:
-    command = [sys.executable, "-m", "loracls", "serve", str(export), "--port", str(port)]
-    command += ["--max-batch", "32", "--max-wait-ms", str(max_wait_ms)]
+def start_server(arguments: list[str], port: int) -> subprocess.Popen:
+    """`loracls serve ARGUMENTS --port PORT` in a process of its own, once it answers `/ready`."""
+    command = [sys.executable, "-m", "loracls", "serve", *arguments, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while True:
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not become ready")
+            raise RuntimeError(f"`loracls serve {' '.join(arguments)}` did not become ready")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
                 return process
@@ -70,17 +70,16 @@ def batches_formed(url: str) -> tuple[float, float]:
     return value.get("loracls_batch_texts_count", 0.0), value.get("loracls_batch_texts_sum", 0.0)
 
 
-def under_load(url: str, texts: list[str], clients: int, requests: int) -> dict:
-    """`requests` one-text requests from `clients` threads; throughput and latency percentiles."""
+def under_load(url: str, bodies: list[dict], clients: int) -> dict:
+    """The `/classify` request `bodies`, sent by `clients` threads; throughput and latency percentiles."""
     latencies: list[float] = []
     lock = threading.Lock()
 
     def client(worker: int) -> None:
-        with httpx.Client(timeout=120) as http:
-            for n in range(worker, requests, clients):
+        with httpx.Client(timeout=300) as http:
+            for body in bodies[worker::clients]:
                 started = time.perf_counter()
-                response = http.post(f"{url}/classify", json={"input": texts[n % len(texts)]})
-                response.raise_for_status()
+                http.post(f"{url}/classify", json=body).raise_for_status()
                 with lock:
                     latencies.append(time.perf_counter() - started)
 
@@ -96,8 +95,8 @@ def under_load(url: str, texts: list[str], clients: int, requests: int) -> dict:
     latencies.sort()
     return {
         "clients": clients,
-        "requests": requests,
-        "texts_per_s": requests / wall,
+        "requests": len(bodies),
+        "texts_per_s": len(bodies) / wall,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "mean_batch": (seen_after - seen) / max(passes_after - passes, 1),
@@ -135,10 +134,11 @@ def main() -> None:
     del classifier
 
     port = free_port()
-    server = start_server(export, port, args.max_wait_ms)
+    server = start_server([str(export), "--max-batch", "32", "--max-wait-ms", str(args.max_wait_ms)], port)
     url = f"http://127.0.0.1:{port}"
     try:
-        levels = [under_load(url, texts, c, args.requests) for c in (1, 4, 16)]
+        bodies = [{"input": texts[n % len(texts)]} for n in range(args.requests)]
+        levels = [under_load(url, bodies, c) for c in (1, 4, 16)]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_result  # noqa: E402
 from inference import make_run  # noqa: E402
-from serve import batches_formed, free_port  # noqa: E402
+from serve import free_port, start_server, under_load  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
 from loracls.data.splits import load_splits  # noqa: E402
@@ -44,53 +42,9 @@ from loracls.inference.serve import CPU_PASS  # noqa: E402
 from loracls.inference.shared_base import ClassifierSet, read_member  # noqa: E402
 
 
-def start(paths: list[str], port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "loracls", "serve", *paths, "--port", str(port), "--max-batch", "32"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the server of {len(paths)} did not become ready")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-
-
 def named(runs: list[Path], count: int) -> list[str]:
     """`count` classifiers, the runs taking turns under names c0, c1, ... (one: the run as it is)."""
     return [str(runs[0])] if count == 1 else [f"c{n}={runs[n % len(runs)]}" for n in range(count)]
-
-
-def under_load(url: str, bodies: list[dict], clients: int) -> dict:
-    """Every body posted once to /classify by `clients` threads; texts/s, p50 latency, mean batch."""
-    latencies: list[float] = []
-
-    def client(worker: int) -> None:
-        with httpx.Client(timeout=300) as http:
-            for body in bodies[worker::clients]:
-                started = time.perf_counter()
-                http.post(f"{url}/classify", json=body).raise_for_status()
-                latencies.append(time.perf_counter() - started)
-
-    passes, seen = batches_formed(url)
-    threads = [threading.Thread(target=client, args=(w,)) for w in range(clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
-    passes_after, seen_after = batches_formed(url)
-    return {
-        "clients": clients,
-        "requests": len(bodies),
-        "texts_per_s": len(bodies) / wall,
-        "p50_ms": 1000 * statistics.median(latencies),
-        "mean_batch": (seen_after - seen) / max(passes_after - passes, 1),
-    }
 
 
 def fan_out_against_separate(url: str, names: list[str], texts: list[str], rounds: int) -> dict:
@@ -146,7 +100,7 @@ def main() -> None:
     memory, load, fan = {}, {}, {}
     for count in (1, 4, 16):
         port = free_port()
-        server = start(named(runs, count), port)
+        server = start_server([*named(runs, count), "--max-batch", "32"], port)
         url = f"http://127.0.0.1:{port}"
         try:
             names = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]

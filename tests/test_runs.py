@@ -29,9 +29,11 @@ SHORT = ["--epochs", "1", *LONG[2:]]
 
 # `loracls train` (or another command) with one function of loracls.training.train paused (after touching a
 # marker file), so that a real signal reaches the process in the middle of that stage; `Class.method` names a
-# method
+# method. Ctrl-C raises KeyboardInterrupt as in a terminal, even where the tests run in a background job
+# (whose children start with SIGINT ignored, and then Python keeps it ignored)
 PAUSED = """
-import importlib, sys, time
+import importlib, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 module, name, marker = sys.argv[1:4]
 target = importlib.import_module(module)
 *owners, name = name.split(".")

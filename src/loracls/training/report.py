@@ -209,6 +209,38 @@ def flips(run: RunFolder, best: int | None) -> tuple[list[list], list[list]]:
     return pairs, examples
 
 
+def reliability_plot(calibration: dict) -> bytes:
+    """Accuracy against confidence per confidence bin of the test split, before and after the temperature;
+    a calibrated classifier's points lie on the diagonal, each point's area its examples."""
+    figure, ax = plt.subplots(figsize=(4.6, 4.2))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
+    for key, name in (("before", "raw"), ("after", f"temperature {calibration['temperature']:.2f}")):
+        bins, ece = calibration[f"bins_{key}"], calibration[f"ece_{key}"]
+        confidence, accuracy = [b["confidence"] for b in bins], [b["accuracy"] for b in bins]
+        line = ax.plot(confidence, accuracy, label=f"{name} (ECE {ece:.3f})")[0]
+        total = max(sum(b["n"] for b in bins), 1)
+        ax.scatter(confidence, accuracy, s=[12 + 200 * b["n"] / total for b in bins], color=line.get_color())
+    ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="confidence", ylabel="accuracy", title="reliability (test)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return png(figure)
+
+
+def calibration_section(calibration: dict | None, plots: dict[str, bytes]) -> list[str]:
+    """The temperature fitted on validation, the test ECE before and after it, and the reliability plot."""
+    if not calibration:
+        return []
+    t = calibration["temperature"]
+    return [
+        '<h2 id="calibration">Calibration (test)</h2>',
+        f"<p>Temperature {t:.3f}, fitted on the validation split, divides the logits before the softmax "
+        f"({'softens' if t > 1 else 'sharpens'} the probabilities; no label changes). Expected calibration "
+        f"error on the test split: {calibration['ece_before']:.4f} raw, {calibration['ece_after']:.4f} with "
+        "it. Every reading of the run (eval, predict, serve, the export) applies it.</p>",
+        img(plots["reliability"], "reliability diagram"),
+    ]
+
+
 def build_report(run_dir: str | Path) -> Path:
     """Write `RUN/report.html` and `RUN/plots/*.png` from what the run folder holds; return the page.
 
@@ -242,6 +274,7 @@ def build_report(run_dir: str | Path) -> Path:
     )
     parts += prompt_section(read_json(run.file("prompt.json")) if run.file("prompt.json").is_file() else None)
     parts += per_class_sections(test, plots)
+    parts += calibration_section(metrics.get("calibration"), plots)
     parts.append('<h2 id="curves">Training curves</h2>')
     log = read_jsonl(run.file("train_log.jsonl"))
     if "curves" in plots:
@@ -260,7 +293,7 @@ def read_json(path: Path) -> dict:
 
 
 def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int | None) -> dict[str, bytes]:
-    """The run's PNG plots (curves, per-class bars, confusion matrix), also written to RUN/plots/."""
+    """The run's PNG plots (curves, per-class bars, confusion matrix, reliability), also in RUN/plots/."""
     log = read_jsonl(run.file("train_log.jsonl"))
     test = metrics.get("test")
     plots: dict[str, bytes] = {}
@@ -272,6 +305,8 @@ def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int
         plots["per_class"] = per_class_plot(test["per_class"])
     if test and "confusion_matrix" in test:
         plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
+    if metrics.get("calibration"):
+        plots["reliability"] = reliability_plot(metrics["calibration"])
     (run.path / "plots").mkdir(exist_ok=True)
     (run.path / "plots" / "curves.png").unlink(missing_ok=True)  # from an earlier report, when none now
     for name, data in plots.items():
