@@ -4,12 +4,14 @@ moving a label, and a run's temperature reaches every reading of it (eval, predi
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 from scipy.special import softmax
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
-from loracls.inference.predict import Classifier
-from loracls.training.calibration import fit_temperature, reliability, with_temperature
+from loracls.errors import LoraclsError
+from loracls.inference.predict import Classifier, check_min_confidence
+from loracls.training.calibration import abstains, coverage, fit_temperature, reliability, with_temperature
 from tests.conftest import FAST, invoke, toy_reviews
 
 
@@ -34,6 +36,27 @@ def test_the_ece_is_the_weighted_gap_of_the_bins():
     table = reliability(probs, gold)
     assert table["ece"] == pytest.approx(0.5 * 0.45 + 0.5 * 0.4)
     assert [b["n"] for b in table["bins"]] == [2, 2]
+
+
+def test_coverage_counts_the_texts_at_or_above_each_level_and_their_accuracy():
+    probs = np.array([[0.9, 0.1], [0.3, 0.7], [0.55, 0.45], [0.2, 0.8]])
+    gold = np.array([0, 0, 0, 1])  # right, wrong (0.7), right (0.55), right (0.8)
+    assert abstains(probs, 0.7).tolist() == [False, False, True, False]  # 0.7 itself keeps its label
+    assert not abstains(probs, None).any()
+    rows = {r["min_confidence"]: r for r in coverage(probs, gold, (0.0, 0.6, 0.75, 0.95))}
+    assert rows[0.0] == {"min_confidence": 0.0, "coverage": 1.0, "accuracy": 0.75}
+    assert rows[0.6]["coverage"] == 0.75 and rows[0.6]["accuracy"] == pytest.approx(2 / 3)
+    assert rows[0.75]["coverage"] == 0.5 and rows[0.75]["accuracy"] == 1.0
+    assert rows[0.95] == {"min_confidence": 0.95, "coverage": 0.0, "accuracy": None}
+
+
+def test_min_confidence_is_a_probability_of_a_single_label_classifier():
+    check_min_confidence(None, True)
+    check_min_confidence(0.8, False)
+    with pytest.raises(LoraclsError, match="between 0 and 1, not 1.5"):
+        check_min_confidence(1.5, False)
+    with pytest.raises(LoraclsError, match="own threshold"):
+        check_min_confidence(0.8, True)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +110,32 @@ def test_temperature_scaling_off_leaves_the_probabilities_as_trained(tiny_models
     assert not (tmp_path / "run/temperature.json").exists()
     assert json.loads((tmp_path / "run/metrics.json").read_text())["calibration"] is None
     assert Classifier.load(tmp_path / "run").temperature == 1.0
+
+
+def test_predict_abstains_below_min_confidence_as_the_runs_coverage_says(run, tmp_path):
+    metrics = json.loads((run / "metrics.json").read_text())["test"]
+    rows = metrics["coverage"]
+    assert rows[0] == {"min_confidence": 0.0, "coverage": 1.0, "accuracy": pytest.approx(metrics["accuracy"])}
+    shares = [r["coverage"] for r in rows]
+    assert shares == sorted(shares, reverse=True)  # a higher floor keeps fewer
+    saved = [json.loads(line) for line in (run / "test_predictions.jsonl").read_text().splitlines()]
+    tops = sorted(max(r["probabilities"].values()) for r in saved)
+    level = (tops[len(tops) // 2 - 1] + tops[len(tops) // 2]) / 2
+    texts = tmp_path / "texts.csv"
+    pd.DataFrame({"id": range(len(saved)), "text": [r["text"] for r in saved]}).to_csv(texts, index=False)
+    out = tmp_path / "out.csv"
+    result = invoke("predict", run, "--input", texts, "--output", out, "--min-confidence", f"{level:.6f}")
+    assert result.exit_code == 0, result.output
+    written = pd.read_csv(out)
+    unsure = written["abstained"].to_numpy()
+    assert 0 < unsure.sum() < len(saved) and f"{unsure.sum()} of {len(saved)} texts below" in result.output
+    assert written["label"][unsure].isna().all() and written["label"][~unsure].notna().all()
+    top = written[[c for c in written.columns if c.startswith("p_")]].max(axis=1).to_numpy()
+    assert (top[unsure] < level).all() and (top[~unsure] >= level).all()
+    evaluated = invoke("eval", run)
+    assert evaluated.exit_code == 0, evaluated.output
+    again = json.loads((run / "eval" / "test" / "metrics.json").read_text())["coverage"]
+    assert [r["min_confidence"] for r in again] == [r["min_confidence"] for r in rows]
+    assert again[0]["coverage"] == 1.0
+    refused = invoke("predict", run, "good", "--min-confidence", "2")
+    assert refused.exit_code != 0 and "min-confidence" in refused.output

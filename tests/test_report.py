@@ -28,12 +28,13 @@ def test_every_run_writes_a_self_contained_report(trained):
         assert f'id="{section}"' in page, section
     assert "<script" not in page and "http://" not in page and "https://" not in page  # no JS, no network
     images = embedded_images(page)
-    assert len(images) == 4  # curves, per-class bars, confusion matrix, reliability
+    assert len(images) == 5  # curves, per-class bars, confusion matrix, reliability, coverage
     for data in images:
         pixels = matplotlib.image.imread(io.BytesIO(data), format="png")
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100
     assert sorted(p.name for p in (run / "plots").iterdir()) == [
         "confusion.png",
+        "coverage.png",
         "curves.png",
         "per_class.png",
         "reliability.png",
@@ -44,6 +45,9 @@ def test_every_run_writes_a_self_contained_report(trained):
     calibration = metrics["calibration"]  # the temperature and the test ECE before and after it
     assert f"Temperature {calibration['temperature']:.3f}" in page
     assert f"{calibration['ece_before']:.4f} raw, {calibration['ece_after']:.4f} with it" in page
+    high = metrics["test"]["coverage"][-1]  # the share that keeps a label at the highest floor listed
+    cells = f'{high["min_confidence"]:g}</td><td class="num">{high["coverage"]:.3f}</td>'
+    assert f'<td class="num">{cells}' in page
     predictions = [json.loads(line) for line in (run / "test_predictions.jsonl").read_text().splitlines()]
     wrong = [p for p in predictions if p["predicted"] != p["gold"]]
     if wrong:
@@ -55,7 +59,7 @@ def test_every_run_writes_a_self_contained_report(trained):
     assert "did not finish" not in page
     order = [
         page.index(f'id="{name}"')
-        for name in ("baseline", "per-class", "confusion", "calibration", "curves", "config")
+        for name in ("baseline", "per-class", "confusion", "calibration", "abstention", "curves", "config")
     ]
     assert order == sorted(order) and "<details>" in page[order[-1] :]
     evals = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
@@ -172,7 +176,7 @@ def test_chinese_label_names_get_a_cjk_font_or_a_note(chinese_run, cjk_font, mon
         note = "No font with Chinese/Japanese/Korean glyphs is installed, so label names in the plots show"
         assert note in page and "apt-get install fonts-noto-cjk" in page
         assert sans == ["DejaVu Sans", "Arial"] and report.plt.rcParams["font.family"] == ["serif"]
-    assert len(embedded_images(page)) == 4  # the plots are drawn either way
+    assert len(embedded_images(page)) == 5  # the plots are drawn either way
     # labels without CJK characters leave the fonts alone and get no note
     monkeypatch.setitem(report.plt.rcParams, "font.sans-serif", ["DejaVu Sans"])
     assert fonts.use_cjk_font(["positive", "negative"]) is None

@@ -166,6 +166,8 @@ def test_sixteen_concurrent_clients_each_get_their_own_answers_in_order(service,
         (b'{"input": "caf\xe9"}', 422, "not valid JSON: it is not UTF-8"),  # Latin-1, not UTF-8
         (b'{"input": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", 422, "nested too deeply"),
         (b'{"input": ["fine", "\\ud800"]}', 422, "text 1 is not valid Unicode"),
+        (b'{"input": "a", "min_confidence": 1.5}', 422, "min_confidence"),
+        (b'{"input": "a", "min_confidence": "high"}', 422, "min_confidence"),
     ],
 )
 def test_bad_requests_get_their_status_and_the_server_answers_afterwards(
@@ -181,6 +183,42 @@ def test_bad_requests_get_their_status_and_the_server_answers_afterwards(
     after = httpx.get(f"{url}/metrics").text
     key = f'loracls_requests_total{{endpoint="/classify",status="{status}"}}'
     assert count(after, key) == count(before, key) + 1
+
+
+def test_min_confidence_withholds_unsure_labels_by_default_or_per_request(run, expected):
+    """`--min-confidence` is every request's floor; a request's own `min_confidence` replaces it (null: none).
+    Below it a text gets `label` null and `abstained` true, its probabilities still given."""
+    tops = sorted(max(p) for p in expected.values())
+    level = (tops[2] + tops[3]) / 2  # half of TEXTS below it
+    with server(run, "--precision", "fp32", "--min-confidence", f"{level:.6f}") as (url, _):
+        for body, floor in (({}, level), ({"min_confidence": 0.0}, 0.0), ({"min_confidence": None}, None)):
+            data = httpx.post(f"{url}/classify", json={"input": TEXTS, **body}).json()["data"]
+            for text, item in zip(TEXTS, data, strict=True):
+                np.testing.assert_allclose(item["probs"], expected[text], atol=1e-5)
+                if floor is None:
+                    assert "abstained" not in item and item["label"] is not None
+                    continue
+                unsure = max(expected[text]) < floor
+                assert item["abstained"] is unsure and (item["label"] is None) is unsure, (text, item)
+            if floor == level:
+                assert sum(item["abstained"] for item in data) == 3
+        info = httpx.get(f"{url}/info").json()
+        assert info["limits"]["min_confidence"] == pytest.approx(level)
+
+
+def test_a_multi_label_classifier_refuses_a_requests_min_confidence_and_ignores_the_default():
+    from loracls.inference.batcher import ServeError
+    from loracls.inference.serve import ClassifyRequest, min_confidence
+    from loracls.inference.serve_limits import ServeLimits
+
+    multi, single = {"name": "tags", "multi_label": True}, {"name": "mood", "multi_label": False}
+    limits = ServeLimits(min_confidence=0.7)
+    assert min_confidence(ClassifyRequest(input="x"), limits, multi) is None
+    assert min_confidence(ClassifyRequest(input="x"), limits, single) == 0.7
+    assert min_confidence(ClassifyRequest(input="x", min_confidence=None), limits, single) is None
+    with pytest.raises(ServeError, match="tags: min_confidence applies to single-label") as refused:
+        min_confidence(ClassifyRequest(input="x", min_confidence=0.5), limits, multi)
+    assert refused.value.status == 422
 
 
 def count(metrics: str, key: str) -> float:

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from loracls.cli_options import (
     INT8,
+    MIN_CONFIDENCE,
     UNFINISHED,
     HelpCommand,
     check_run_folder,
@@ -189,6 +190,7 @@ def predict(
         bool, typer.Option(help="Also write what an `objective: lm` model says (greedy) as `response`")
     ] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens --generate writes at most", min=1)] = 64,
+    min_confidence: Annotated[float | None, MIN_CONFIDENCE] = None,
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
 ) -> None:
@@ -214,11 +216,14 @@ def predict(
         if input is not None:
             frame, texts = read_texts(input, column)
         responses = classifier.generate(texts, max_new_tokens, "generate") if generate else None
-        records = classifier.predict(texts, "predict")
+        records = classifier.predict(texts, "predict", min_confidence)
         if responses is not None:
             records = [r | {"response": x} for r, x in zip(records, responses, strict=True)]
     except LoraclsError as e:
         fail(e)
+    if min_confidence is not None:
+        unsure = sum(r["abstained"] for r in records)
+        console.print(f"{unsure} of {len(records)} texts below --min-confidence {min_confidence}: no label")
     if output is None:
         for line in prediction_lines(records, frame, column):
             sys.stdout.write(line + "\n")
@@ -404,6 +409,7 @@ def serve(
         float, typer.Option(help="Seconds a request's body may take to arrive (408 after)", min=0.1)
     ] = 10.0,
     precision: Annotated[str, typer.Option(help="auto, fp32 or bf16")] = "auto",
+    min_confidence: Annotated[float | None, MIN_CONFIDENCE] = None,
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
 ) -> None:
@@ -431,9 +437,8 @@ def serve(
     slow = emulated_bf16_warning(precision, inference_device().type)
     if slow:
         console.print(f"[yellow]{slow}[/]", soft_wrap=True)
-    limits = ServeLimits(
-        max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts), body_timeout
-    )
+    limits = ServeLimits(max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
+    limits.body_timeout, limits.min_confidence = body_timeout, min_confidence
     try:
         if int8:
             check_int8_cpu()

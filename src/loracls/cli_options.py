@@ -187,6 +187,12 @@ INT8 = typer.Option(
     help="CPU: run the decoder's linear layers in int8 (checked against fp32 on the run's test split first; "
     "refused if it does not match)"
 )
+MIN_CONFIDENCE = typer.Option(
+    help="Single-label: give no label (abstained) where the top probability is below this; the run's report "
+    "shows the coverage and accuracy at each level",
+    min=0.0,
+    max=1.0,
+)
 
 
 def print_version(asked: bool) -> None:

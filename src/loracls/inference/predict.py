@@ -29,13 +29,13 @@ from loracls.inference import int8 as int8_module
 from loracls.inference.export_format import INT8_RANGES, folder_kind, read_export_info
 from loracls.model import load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
-from loracls.training.calibration import with_temperature
+from loracls.training.calibration import abstains, with_temperature
 from loracls.training.evaluate import (
     label_matrix,
     predict_probs,
     predicted_labels,
     rounded,
-    score,
+    score_test,
     write_predictions_jsonl,
 )
 from loracls.training.runs import RunFolder, write_json
@@ -270,24 +270,46 @@ class Classifier:
                 bar.advance()
         return answers
 
-    def predict(self, texts: list[str], stage: str | None = None) -> list[dict]:
+    def predict(
+        self, texts: list[str], stage: str | None = None, min_confidence: float | None = None
+    ) -> list[dict]:
         """One record per text: the predicted `label` (multi-label: `labels`, every one at or above its
-        threshold) and every label's probability. `stage` names a progress bar (None: none)."""
+        threshold) and every label's probability. `min_confidence` (single-label): a text whose top
+        probability is below it gets `label` None, and every record says whether it `abstained`. `stage`
+        names a progress bar (None: none)."""
+        check_min_confidence(min_confidence, self.thresholds is not None)
         probs = self.predict_probs(texts, stage)
         key = "label" if self.thresholds is None else "labels"
         predicted = predicted_labels(probs, self.labels, self.thresholds)
-        return [
-            {
-                "text": text,
-                key: label_value(chosen, self.label_type),
-                "probabilities": rounded(p, self.labels),
-            }
-            for text, chosen, p in zip(texts, predicted, probs, strict=True)
-        ]
+        unsure = abstains(probs, min_confidence)
+        records = []
+        for text, chosen, p, abstained in zip(texts, predicted, probs, unsure, strict=True):
+            record = {"text": text, key: None if abstained else label_value(chosen, self.label_type)}
+            if min_confidence is not None:
+                record["abstained"] = bool(abstained)
+            records.append(record | {"probabilities": rounded(p, self.labels)})
+        return records
+
+
+MULTI_LABEL_CONFIDENCE = (
+    "min_confidence applies to single-label classifiers; a multi-label one answers each label by its own "
+    "threshold (thresholds.json, tuned on validation)"
+)
+
+
+def check_min_confidence(min_confidence: float | None, multi_label: bool) -> None:
+    """`--min-confidence` is a probability, and a single-label classifier's: a multi-label one answers each
+    label by its own tuned threshold instead."""
+    if min_confidence is None:
+        return
+    if not 0.0 <= min_confidence <= 1.0:
+        raise LoraclsError(f"min_confidence is a probability between 0 and 1, not {min_confidence}")
+    if multi_label:
+        raise LoraclsError(MULTI_LABEL_CONFIDENCE)
 
 
 def prediction_table(records: list[dict], inputs: pd.DataFrame | None = None, text_column: str = "text"):
-    """`Classifier.predict`'s records as one row each (`text`, `label` or `labels`, `p_<label>`,
+    """`Classifier.predict`'s records as one row each (`text`, `label` or `labels`, `abstained`, `p_<label>`,
     `response`), after the input file's other columns (ids, metadata) so that results join back to it. A
     prediction column whose name the input already uses gets `_predicted`; the input's stay as they are.
     """
@@ -296,6 +318,7 @@ def prediction_table(records: list[dict], inputs: pd.DataFrame | None = None, te
             {
                 "text": r["text"],
                 **({"label": r["label"]} if "label" in r else {"labels": ",".join(map(str, r["labels"]))}),
+                **({"abstained": r["abstained"]} if "abstained" in r else {}),
                 **{f"p_{k}": v for k, v in r["probabilities"].items()},
                 **({"response": r["response"]} if "response" in r else {}),
             }
@@ -374,7 +397,7 @@ def evaluate_run(
         raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
     probs = classifier.predict_probs(list(table["text"]), "eval")
     thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
-    metrics = score(table, probs, classifier.labels, thresholds)
+    metrics = score_test(table, probs, classifier.labels, thresholds)
     out = run.file("eval") / ((Path(data).stem if data else "test") + ("-int8" if int8 else ""))
     out.mkdir(parents=True, exist_ok=True)
     write_predictions_jsonl(

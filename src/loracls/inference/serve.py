@@ -21,11 +21,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loracls.console import console
@@ -33,10 +34,11 @@ from loracls.data.labels import label_value
 from loracls.errors import LoraclsError
 from loracls.inference.batcher import Batcher, Job, Metrics, ServeError
 from loracls.inference.export_format import folder_kind, read_export_info
-from loracls.inference.predict import Classifier
+from loracls.inference.predict import MULTI_LABEL_CONFIDENCE, Classifier
 from loracls.inference.serve_limits import BodyGuard, ServeLimits, error_body, unreadable_body
 from loracls.inference.shared_base import ClassifierSet, check_same_base, read_member
 from loracls.objective import objective_kind
+from loracls.training.calibration import abstains
 from loracls.training.runs import RunFolder
 
 DRAIN_LINGER = 1.0
@@ -52,13 +54,16 @@ sorted passes of 4 faster than one padded pass of 16 arriving texts (benchmarks/
 class ClassifyRequest(BaseModel):
     """vLLM's `/classify` request: `input` is one text or a list; `model` names the classifier (ignored by a
     server of one), or a list of them for all their answers to the same texts (fan-out); other fields are
-    accepted and ignored. `generate`/`max_new_tokens`: also say the response (`objective: lm`)."""
+    accepted and ignored. `generate`/`max_new_tokens`: also say the response (`objective: lm`).
+    `min_confidence`: no label below this top probability (single-label; null: none; left out: the
+    server's `--min-confidence`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     input: str | list[str]
     model: str | list[str] | None = None
     generate: bool = False
     max_new_tokens: int | None = None
+    min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class PredictRequest(BaseModel):
@@ -107,7 +112,9 @@ def build_app(
         texts = [body.input] if isinstance(body.input, str) else body.input
         names = chosen(body.model, infos)
         generate = new_tokens(body, limits, infos[names[0]])
+        levels = {name: min_confidence(body, limits, infos[name]) for name in names}
         answers = await asyncio.gather(*(classify_texts(batcher, limits, texts, generate, n) for n in names))
+        answers = [abstain(records, levels[name]) for name, records in zip(names, answers, strict=True)]
         if isinstance(body.model, list):
             return fan_out_response(dict(zip(names, answers, strict=True)))
         return classify_response(answers[0], names[0])
@@ -266,6 +273,30 @@ def new_tokens(body: ClassifyRequest, limits: ServeLimits, info: dict) -> int | 
     return generate
 
 
+def min_confidence(body: ClassifyRequest, limits: ServeLimits, info: dict) -> float | None:
+    """The request's `min_confidence` for one classifier: its own (null: none), else the server's; a
+    multi-label classifier takes none from the server and refuses the request's own (422)."""
+    asked = "min_confidence" in body.model_fields_set
+    if info["multi_label"]:
+        if asked and body.min_confidence is not None:
+            raise ServeError(422, f"{info['name']}: {MULTI_LABEL_CONFIDENCE}")
+        return None
+    return body.min_confidence if asked else limits.min_confidence
+
+
+def abstain(records: list[dict], level: float | None) -> list[dict]:
+    """Records of texts whose top probability is below `level` lose their `label`; with a level, every
+    record says whether it `abstained`."""
+    if level is None or not records:
+        return records
+    unsure = abstains(np.array([r["probs"] for r in records]), level)
+    for record, abstained in zip(records, unsure, strict=True):
+        record["abstained"] = bool(abstained)
+        if abstained:
+            record["label"] = None
+    return records
+
+
 def classify_response(records: list[dict], model: str) -> dict:
     """`/classify`'s body, as vLLM's classification API shapes it (with its token usage)."""
     tokens = sum(r.pop("prompt_tokens") for r in records)
@@ -417,7 +448,7 @@ def serve(
     """Run the service of the classifiers `paths` names (several share one base model: `shared_base`) until
     SIGINT/SIGTERM (queued requests are answered first); returns the exit code: 0, or 1 when the model
     failed to load or the worker died. A port in use is refused before the model loads (`LoraclsError`), as
-    are classifiers that cannot share a base."""
+    are classifiers that cannot share a base, and a `--min-confidence` that no classifier can use."""
     infos = {
         name: describe_model(path, allow_unfinished) | {"name": name, "int8": None}
         for name, path in paths.items()
@@ -431,6 +462,8 @@ def serve(
                 "--int8 quantises a merged model; classifiers that share a base keep LoRA unmerged"
             )
         check_same_base(members)
+    if limits.min_confidence is not None and all(info["multi_label"] for info in infos.values()):
+        raise LoraclsError(f"--min-confidence: {MULTI_LABEL_CONFIDENCE}")
     sock = bind(host, port)
 
     def load() -> dict[str, Classifier] | ClassifierSet:

@@ -14,7 +14,7 @@ from loracls.inference.batcher import Batcher
 
 @dataclass
 class ServeLimits:
-    """What one request and the queue may hold, and how batches are formed."""
+    """What one request and the queue may hold, how batches are formed, and the labels' confidence floor."""
 
     max_batch: int = 32
     """Texts the worker takes from the queue at once."""
@@ -35,6 +35,9 @@ class ServeLimits:
     """Tokens a `generate` request without `max_new_tokens` gets (`loracls predict --generate`'s default)."""
     max_new_tokens: int = 256
     """The most tokens a `generate` request may ask for (`objective: lm` models)."""
+    min_confidence: float | None = None
+    """`/classify` requests that send no `min_confidence` get this one: a single-label classifier gives no
+    label (`abstained`) where its top probability is below it. None: every text gets a label."""
 
     @property
     def max_body_bytes(self) -> int:

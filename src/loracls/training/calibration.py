@@ -66,3 +66,26 @@ def calibrate(val_probs: np.ndarray, val_gold: np.ndarray, test_probs: np.ndarra
         "bins_after": after["bins"],
     }
     return temperature, calibrated, summary
+
+
+CONFIDENCE_LEVELS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+"""The `--min-confidence` levels whose coverage and accuracy `metrics.json` and the report show."""
+
+
+def abstains(probs: np.ndarray, min_confidence: float | None) -> np.ndarray:
+    """Which rows get no label under `--min-confidence`: their top probability is below it (none for None)."""
+    if min_confidence is None:
+        return np.zeros(len(probs), dtype=bool)
+    return np.asarray(probs).max(-1) < min_confidence
+
+
+def coverage(probs: np.ndarray, gold: np.ndarray, levels: tuple = CONFIDENCE_LEVELS) -> list[dict]:
+    """Selective classification: at each `--min-confidence` level, the share of texts that still get a label
+    (coverage) and the accuracy on those (None where no text does)."""
+    right = probs.argmax(-1) == gold
+    rows = []
+    for level in levels:
+        answered = ~abstains(probs, level)
+        accuracy = float(right[answered].mean()) if answered.any() else None
+        rows.append({"min_confidence": level, "coverage": float(answered.mean()), "accuracy": accuracy})
+    return rows

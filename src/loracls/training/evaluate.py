@@ -31,7 +31,7 @@ from loracls.data.splits import Splits
 from loracls.environment.micro_batch import eval_batch_size
 from loracls.files import write_text
 from loracls.objective import ClassificationHead, Objective
-from loracls.training.calibration import calibrate
+from loracls.training.calibration import calibrate, coverage
 from loracls.training.runs import RunFolder
 
 
@@ -203,6 +203,18 @@ def score(
     return compute_metrics([label2id[x] for x in table["label"]], probs.argmax(-1).tolist(), labels)
 
 
+def score_test(
+    table: pd.DataFrame, probs: np.ndarray, labels: list[str], thresholds: np.ndarray | None = None
+) -> dict:
+    """`score`, and for a single-label task `coverage`: the share of texts answered and their accuracy at
+    each `--min-confidence` level (`calibration.coverage`)."""
+    metrics = score(table, probs, labels, thresholds)
+    if thresholds is None:
+        label2id = label_ids(labels)
+        metrics["coverage"] = coverage(probs, np.array([label2id[x] for x in table["label"]]))
+    return metrics
+
+
 def learning_summary(log: list[dict], metric: str, steps: int, test: dict) -> dict:
     """How the run learned, from its validations (`train_log.jsonl`'s `eval` records) and the test metrics:
     whether validation was still improving at the end (the best validation is the last of two or more:
@@ -292,8 +304,8 @@ def score_test_split(
     """Score the test split and write every prediction to RUN/test_predictions.jsonl. Validation is scored
     first: multi-label runs tune their thresholds on it (thresholds.json), single-label runs with
     `temperature_scaling` fit their temperature (temperature.json), which the test's probabilities, and every
-    later reading of the run, then carry. Returns the test metrics and the calibration summary (None
-    without one)."""
+    later reading of the run, then carry. Returns the test metrics (single-label: with the coverage and
+    accuracy at each `--min-confidence` level) and the calibration summary (None without one)."""
     thresholds, calibration = None, None
     if cfg.multi_label or cfg.temperature_scaling:
         why = "thresholds" if cfg.multi_label else "temperature"
@@ -309,4 +321,4 @@ def score_test_split(
     if run.main:
         path = run.file("test_predictions.jsonl")
         write_predictions_jsonl(path, splits.test, probs, splits.labels, None, thresholds, cfg.label_type)
-    return score(splits.test, probs, splits.labels, thresholds), calibration
+    return score_test(splits.test, probs, splits.labels, thresholds), calibration

@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import warnings
 from pathlib import Path
 
-import matplotlib
+import yaml
 
-matplotlib.use("Agg")  # files only; never a window
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from loracls.console import console  # noqa: E402
-from loracls.files import write_bytes, write_text  # noqa: E402
-from loracls.training.fonts import use_cjk_font  # noqa: E402
-from loracls.training.runs import RunFolder  # noqa: E402
+from loracls.console import console
+from loracls.files import write_bytes, write_text
+from loracls.training.fonts import use_cjk_font
+from loracls.training.plots import (
+    confusion_plot,
+    coverage_plot,
+    curves_figure,
+    per_class_plot,
+    plt,
+    png,
+    reliability_plot,
+)
+from loracls.training.runs import RunFolder
 
 STYLE = """
 body { font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
@@ -41,13 +43,6 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def png(figure: plt.Figure) -> bytes:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    return buffer.getvalue()
 
 
 def img(data: bytes, alt: str) -> str:
@@ -78,43 +73,6 @@ def cell(value) -> str:
     return html.escape(str(value))
 
 
-def curves_figure(log: list[dict], best_step: int | None, peak_lr: float) -> plt.Figure | None:
-    """Training loss, learning rate and validation accuracy/macro-F1 over optimizer steps; None for a run
-    too short to draw curves (under two training logs and under two validations: `short_run_section`).
-
-    Points are marked (a short run is a few of them), the steps run from 0 in whole numbers, the loss from 0
-    and the learning rate from 0 to its peak: one point at lr 0 sat on a +-4e-2 axis."""
-    train = [r for r in log if r["kind"] == "train"]
-    evals = [r for r in log if r["kind"] == "eval"]
-    if len(train) < 2 and len(evals) < 2:
-        return None
-    marked = {"marker": "o", "markersize": 3} if len(train) <= 60 else {}
-    steps = [r["step"] for r in train]
-    losses, lrs = [r["loss"] for r in train], [r["lr"] for r in train]
-    top = 1.08 * max([peak_lr, *lrs]) or 1.0
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    axes[0].plot(steps, losses, **marked)
-    axes[0].set(title="training loss", xlabel="optimizer step")
-    if losses and np.isfinite(max(losses)):
-        axes[0].set_ylim(0, 1.08 * max(losses) or 1.0)
-    axes[1].plot(steps, lrs, color="tab:orange", **marked)
-    axes[1].set(title="learning rate", xlabel="optimizer step", ylim=(-0.03 * top, top))
-    axes[1].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    for key, name in (("val_accuracy", "accuracy"), ("val_macro_f1", "macro-F1")):
-        axes[2].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=name)
-    if best_step:
-        axes[2].axvline(best_step, color="grey", linestyle=":", label=f"best (step {best_step})")
-    axes[2].set(title="validation", xlabel="optimizer step")
-    axes[2].legend(fontsize=8)
-    last = max(r["step"] for r in log)
-    for ax in axes:
-        ax.set_xlim(0, last * 1.03 + 0.5)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    figure.tight_layout()
-    return figure
-
-
 def short_run_section(log: list[dict]) -> list[str]:
     """In place of curves for a run that logged too little to draw them: what it logged."""
     train = sum(r["kind"] == "train" for r in log)
@@ -136,41 +94,6 @@ def short_run_section(log: list[dict]) -> list[str]:
         "curves (more steps, or a smaller log_every and eval_every, draw them).</p>",
         table(header, rows, {0, 2, 3, 4, 5}),
     ]
-
-
-def confusion_plot(matrix: list[list[int]], labels: list[str]) -> bytes:
-    """Counts, coloured by the share of each gold class (rows sum to 1)."""
-    counts = np.asarray(matrix)
-    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-    size = 1.2 + 0.7 * len(labels)
-    figure, ax = plt.subplots(figsize=(size + 1, size))
-    image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
-    for (i, j), n in np.ndenumerate(counts):
-        ax.text(j, i, str(n), ha="center", va="center", color="white" if shares[i, j] > 0.5 else "black")
-    ax.set(
-        xticks=range(len(labels)),
-        yticks=range(len(labels)),
-        xlabel="predicted",
-        ylabel="gold",
-        title="test confusion matrix",
-    )
-    ax.set_xticklabels(labels, rotation=45, ha="right")
-    ax.set_yticklabels(labels)
-    figure.colorbar(image, ax=ax, fraction=0.046, label="share of gold class")
-    return png(figure)
-
-
-def per_class_plot(per_class: dict) -> bytes:
-    labels = list(per_class)
-    x = np.arange(len(labels))
-    figure, ax = plt.subplots(figsize=(2 + 1.1 * len(labels), 3.2))
-    for k, key in enumerate(("precision", "recall", "f1-score")):
-        ax.bar(x + (k - 1) * 0.27, [per_class[name][key] for name in labels], width=0.27, label=key)
-    ax.set(xticks=x, ylim=(0, 1), title="test precision / recall / F1 per class")
-    ax.set_xticklabels(labels, rotation=30, ha="right")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    return png(figure)
 
 
 def mistakes(predictions: list[dict]) -> list[dict]:
@@ -209,23 +132,6 @@ def flips(run: RunFolder, best: int | None) -> tuple[list[list], list[list]]:
     return pairs, examples
 
 
-def reliability_plot(calibration: dict) -> bytes:
-    """Accuracy against confidence per confidence bin of the test split, before and after the temperature;
-    a calibrated classifier's points lie on the diagonal, each point's area its examples."""
-    figure, ax = plt.subplots(figsize=(4.6, 4.2))
-    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", label="calibrated")
-    for key, name in (("before", "raw"), ("after", f"temperature {calibration['temperature']:.2f}")):
-        bins, ece = calibration[f"bins_{key}"], calibration[f"ece_{key}"]
-        confidence, accuracy = [b["confidence"] for b in bins], [b["accuracy"] for b in bins]
-        line = ax.plot(confidence, accuracy, label=f"{name} (ECE {ece:.3f})")[0]
-        total = max(sum(b["n"] for b in bins), 1)
-        ax.scatter(confidence, accuracy, s=[12 + 200 * b["n"] / total for b in bins], color=line.get_color())
-    ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="confidence", ylabel="accuracy", title="reliability (test)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return png(figure)
-
-
 def calibration_section(calibration: dict | None, plots: dict[str, bytes]) -> list[str]:
     """The temperature fitted on validation, the test ECE before and after it, and the reliability plot."""
     if not calibration:
@@ -238,6 +144,25 @@ def calibration_section(calibration: dict | None, plots: dict[str, bytes]) -> li
         f"error on the test split: {calibration['ece_before']:.4f} raw, {calibration['ece_after']:.4f} with "
         "it. Every reading of the run (eval, predict, serve, the export) applies it.</p>",
         img(plots["reliability"], "reliability diagram"),
+    ]
+
+
+def coverage_section(test: dict | None, plots: dict[str, bytes]) -> list[str]:
+    """How many test texts keep a label, and how accurate those are, at each `--min-confidence` level of
+    `predict` and `serve` (the calibrated probabilities), so that a user can pick one."""
+    if not test or "coverage" not in test:
+        return []
+    rows = [
+        [f"{r['min_confidence']:g}", f"{r['coverage']:.3f}", "" if r["accuracy"] is None else r["accuracy"]]
+        for r in test["coverage"]
+    ]
+    return [
+        '<h2 id="abstention">Abstaining below a confidence (test)</h2>',
+        "<p>With <code>--min-confidence P</code>, <code>predict</code> and <code>serve</code> give no label "
+        "where the top probability is below P. The share of test texts that keep one, and the accuracy on "
+        "them:</p>",
+        table(["min confidence", "coverage", "accuracy"], rows, {0, 1, 2}),
+        img(plots["coverage"], "coverage against accuracy"),
     ]
 
 
@@ -275,6 +200,7 @@ def build_report(run_dir: str | Path) -> Path:
     parts += prompt_section(read_json(run.file("prompt.json")) if run.file("prompt.json").is_file() else None)
     parts += per_class_sections(test, plots)
     parts += calibration_section(metrics.get("calibration"), plots)
+    parts += coverage_section(test, plots)
     parts.append('<h2 id="curves">Training curves</h2>')
     log = read_jsonl(run.file("train_log.jsonl"))
     if "curves" in plots:
@@ -293,7 +219,8 @@ def read_json(path: Path) -> dict:
 
 
 def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int | None) -> dict[str, bytes]:
-    """The run's PNG plots (curves, per-class bars, confusion matrix, reliability), also in RUN/plots/."""
+    """The run's PNG plots (curves, per-class bars, confusion matrix, reliability, coverage), also in
+    RUN/plots/."""
     log = read_jsonl(run.file("train_log.jsonl"))
     test = metrics.get("test")
     plots: dict[str, bytes] = {}
@@ -307,6 +234,8 @@ def write_plots(run: RunFolder, metrics: dict, labels: list[str], best_step: int
         plots["confusion"] = confusion_plot(test["confusion_matrix"], labels)
     if metrics.get("calibration"):
         plots["reliability"] = reliability_plot(metrics["calibration"])
+    if test and "coverage" in test:
+        plots["coverage"] = coverage_plot(test["coverage"])
     (run.path / "plots").mkdir(exist_ok=True)
     (run.path / "plots" / "curves.png").unlink(missing_ok=True)  # from an earlier report, when none now
     for name, data in plots.items():
