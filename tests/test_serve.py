@@ -208,7 +208,7 @@ def test_min_confidence_withholds_unsure_labels_by_default_or_per_request(run, e
 
 def test_a_multi_label_classifier_refuses_a_requests_min_confidence_and_ignores_the_default():
     from loracls.inference.batcher import ServeError
-    from loracls.inference.serve import ClassifyRequest, min_confidence
+    from loracls.inference.serve_api import ClassifyRequest, min_confidence
     from loracls.inference.serve_limits import ServeLimits
 
     multi, single = {"name": "tags", "multi_label": True}, {"name": "mood", "multi_label": False}
