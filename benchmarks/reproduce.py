@@ -91,6 +91,11 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["demo.py", "--out", "{out}/demo_en.json", "--run-dir", "{out}/demo-en", "data=en-tweets"]
         + ["max_train_examples=64", "max_eval_examples=32", "eval_every=2", "baseline=false"],
     ),
+    "audit": (  # data audit against labels flipped on purpose, and three demo runs: noisy, cleaned, clean
+        ["audit.py", "--out", "{out}/audit.json"],
+        ["audit.py", "--no-train", "--out", "{out}/audit.json"]
+        + ["max_train_examples=64", "max_eval_examples=32"],
+    ),
     "prompt_baseline": (
         ["prompt_baseline.py", "--run", f"zh-reviews={DEMO_RUN}", "--run", f"en-tweets={DEMO_EN_RUN}"]
         + ["--out", "{out}/prompt_baseline.json"],

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from loracls.cli_data import data_app
 from loracls.cli_options import (
     INT8,
     MIN_CONFIDENCE,
@@ -232,57 +233,7 @@ def predict(
     console.print(f"{len(records)} predictions written to {output}")
 
 
-data_app = typer.Typer(help="Look at a dataset before training.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(data_app, name="data")
-
-
-@data_app.command("inspect", cls=HelpCommand)
-def data_inspect(
-    data: Annotated[str, typer.Argument(help="A labelled file or a built-in dataset")],
-    val: Annotated[str | None, typer.Option(help="Validation file")] = None,
-    test: Annotated[str | None, typer.Option(help="Test file")] = None,
-    text_column: Annotated[str, typer.Option(help="Text column")] = TrainConfig.text_column,
-    label_column: Annotated[str, typer.Option(help="Label column")] = TrainConfig.label_column,
-    model: Annotated[str | None, typer.Option(help="Count tokens with this model's tokenizer")] = None,
-    max_length: Annotated[int, typer.Option(help="Token limit to check against")] = TrainConfig.max_length,
-    multi_label: Annotated[bool, typer.Option(help="Several labels per row")] = False,
-    label_separator: Annotated[
-        str, typer.Option(help="Between a row's labels (CSV)")
-    ] = TrainConfig.label_separator,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
-) -> None:
-    """Sizes, label counts, duplicates, train/test leakage and lengths, without training."""
-    from loracls.data.tables import check_source
-
-    try:
-        for source in (data, val, test):
-            if source is not None:
-                check_source(source)
-        quiet_libraries()
-        from loracls.data.inspection import inspect_data, print_inspection
-
-        cfg = TrainConfig(
-            data=data,
-            val=val,
-            test=test,
-            text_column=text_column,
-            label_column=label_column,
-            max_length=max_length,
-            multi_label=multi_label,
-            label_separator=label_separator,
-        )
-        tokenizer = None
-        if model:
-            from loracls.model import load_tokenizer_for
-
-            tokenizer = load_tokenizer_for(model)  # a GGUF model is not converted just to count tokens
-        report = inspect_data(cfg, tokenizer)
-    except LoraclsError as e:
-        fail(e)
-    if as_json:
-        sys.stdout.write(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-        return
-    print_inspection(report, console)
 
 
 @app.command(cls=HelpCommand)
