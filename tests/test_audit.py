@@ -1,12 +1,12 @@
-"""`loracls data audit` (`data/audit.py`): labels flipped on purpose are found, and the command writes the
+"""`loracls data audit` (`training/audit.py`): labels flipped on purpose are found, and the command writes the
 flagged rows ranked and the data without them."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from loracls.data.audit import label_issues, out_of_sample_probs
 from loracls.errors import LoraclsError
+from loracls.training.audit import label_issues, out_of_sample_probs
 from tests.conftest import invoke, toy_reviews
 
 
@@ -58,6 +58,9 @@ def test_the_command_writes_the_flagged_rows_and_the_data_without_them(tiny_mode
     assert list(flagged.columns) == ["id", "text", "label", "suggested", "p_label", "p_suggested"]
     assert 0 < len(flagged) < len(data) and flagged["p_label"].is_monotonic_increasing
     assert f"{len(flagged)} rows flagged" in result.output and f"written to {issues}" in result.output
+    shown = [line for line in result.output.splitlines() if line.startswith("│")]  # --top 3, a line each
+    assert [line.split("│")[1].strip() for line in shown] == list(flagged["id"][:3])
+    assert all(len(line) <= 80 for line in shown)
     original = data.set_index("id")
     assert (flagged["label"] == original.loc[flagged["id"], "sentiment"].to_numpy()).all()  # as given
     rest = pd.read_csv(kept)

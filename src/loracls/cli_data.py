@@ -108,8 +108,8 @@ def data_audit(
             if path is not None and not path.parent.is_dir():
                 raise LoraclsError(f"{path}: the folder {path.parent} does not exist")
         quiet_libraries()
-        from loracls.data.audit import audit
         from loracls.files import write_text
+        from loracls.training.audit import audit
 
         cfg = TrainConfig(
             data=data, model=model, text_column=text_column, label_column=label_column, max_length=max_length
@@ -127,7 +127,7 @@ def data_audit(
         soft_wrap=True,
     )
     if top and len(issues):
-        console.print(issues_table(issues.head(top)))
+        console.print(issues_table(issues.head(top), console.width))
     if out.suffix.lower() == ".csv":
         write_text(out, issues.to_csv(index=False))
     else:
@@ -140,19 +140,22 @@ def data_audit(
         console.print(f"{len(kept)} rows without them written to {clean_out}", soft_wrap=True)
 
 
-def issues_table(issues):
-    """The first flagged rows as a rich table: id, given and suggested label, their probabilities, text."""
+def issues_table(issues, width: int):
+    """The first flagged rows as a rich table of `width` columns, a line each: id, given and suggested label,
+    the given one's probability, the text as far as it fits."""
     from rich.table import Table
+    from rich.text import Text
 
-    shown = Table("id", "label", "suggested", "p(label)", "p(suggested)", "text")
-    for row in issues.itertuples():
-        text = row.text if len(row.text) <= 60 else row.text[:59] + "…"
-        shown.add_row(
-            str(row.id),
-            str(row.label),
-            str(row.suggested),
-            f"{row.p_label:.3f}",
-            f"{row.p_suggested:.3f}",
-            text,
-        )
+    rows = [
+        [str(row.id), str(row.label), str(row.suggested), f"{row.p_label:.3f}", " ".join(row.text.split())]
+        for row in issues.itertuples()
+    ]
+    headers = ("id", "label", "suggested", "p(label)")
+    fixed = sum(max(len(name), *(len(row[i]) for row in rows)) for i, name in enumerate(headers))
+    room = max(12, width - fixed - 3 * (len(headers) + 1) - 1)  # each column's padding and rule
+    shown = Table(*headers, "text")
+    for row in rows:
+        text = Text(row[-1], no_wrap=True, overflow="ellipsis")
+        text.truncate(room, overflow="ellipsis")
+        shown.add_row(*row[:-1], text)
     return shown
