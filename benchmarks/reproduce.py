@@ -96,6 +96,11 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["audit.py", "--no-train", "--out", "{out}/audit.json"]
         + ["max_train_examples=64", "max_eval_examples=32"],
     ),
+    "label_next": (  # loracls select in a simulated labelling loop against random labels
+        ["label_next.py", "--out", "{out}/label_next.json"],
+        ["label_next.py", "--start", "20", "--step", "10", "--rounds", "1", "--random-up-to", "30"]
+        + ["--pool", "100", "--eval", "40", "--test", "40", "--out", "{out}/label_next.json", "min_steps=4"],
+    ),
     "prompt_baseline": (
         ["prompt_baseline.py", "--run", f"zh-reviews={DEMO_RUN}", "--run", f"en-tweets={DEMO_EN_RUN}"]
         + ["--out", "{out}/prompt_baseline.json"],

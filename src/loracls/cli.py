@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from loracls.cli_data import data_app
+from loracls.cli_data import data_app, select
 from loracls.cli_options import (
     INT8,
     MIN_CONFIDENCE,
@@ -234,6 +234,7 @@ def predict(
 
 
 app.add_typer(data_app, name="data")
+app.command(cls=HelpCommand)(select)
 
 
 @app.command(cls=HelpCommand)

@@ -1,5 +1,5 @@
 """`loracls data`: look at a dataset before training: its sizes, labels and lengths (`inspect`), and the
-labels that are probably wrong (`audit`)."""
+labels that are probably wrong (`audit`); and `loracls select`: the unlabelled texts to label next."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from loracls.cli_options import HelpCommand, fail, quiet_libraries
+from loracls.cli_options import UNFINISHED, HelpCommand, fail, quiet_libraries
 from loracls.config import TrainConfig
 from loracls.errors import LoraclsError
 
@@ -102,13 +102,10 @@ def data_audit(
 
     try:
         check_source(data)
-        for path, suffixes in ((out, (".csv", ".jsonl")), (clean_out, (".csv",))):
-            if path is not None and path.suffix.lower() not in suffixes:
-                raise LoraclsError(f"{path}: write {' or '.join(suffixes)}")
-            if path is not None and not path.parent.is_dir():
-                raise LoraclsError(f"{path}: the folder {path.parent} does not exist")
+        check_output(out, (".csv", ".jsonl"))
+        if clean_out is not None:
+            check_output(clean_out, (".csv",))
         quiet_libraries()
-        from loracls.files import write_text
         from loracls.training.audit import audit
 
         cfg = TrainConfig(
@@ -128,15 +125,12 @@ def data_audit(
     )
     if top and len(issues):
         console.print(issues_table(issues.head(top), console.width))
-    if out.suffix.lower() == ".csv":
-        write_text(out, issues.to_csv(index=False))
-    else:
-        write_text(out, issues.to_json(orient="records", lines=True, force_ascii=False))
+    write_table(out, issues)
     console.print(f"{len(issues)} flagged rows written to {out}", soft_wrap=True)
     if clean_out is not None:
         kept = table[~table["id"].isin(set(issues["id"]))]
         kept = kept.rename(columns={"text": text_column, "label": label_column})
-        write_text(clean_out, kept.to_csv(index=False))
+        write_table(clean_out, kept)
         console.print(f"{len(kept)} rows without them written to {clean_out}", soft_wrap=True)
 
 
@@ -159,3 +153,73 @@ def issues_table(issues, width: int):
         text.truncate(room, overflow="ellipsis")
         shown.add_row(*row[:-1], text)
     return shown
+
+
+def select(
+    path: Annotated[Path, typer.Argument(help="A finished run folder or an export folder")],
+    pool: Annotated[Path, typer.Option(help="Unlabelled texts, in any format --data reads")],
+    n: Annotated[int, typer.Option("--n", help="How many texts to choose", min=1)] = 100,
+    out: Annotated[Path, typer.Option(help="The chosen rows, label column empty (.csv or .jsonl)")] = Path(
+        "to_label.csv"
+    ),
+    text_column: Annotated[
+        str | None, typer.Option(help="Text column of --pool (default: the run's)")
+    ] = None,
+    diverse: Annotated[
+        bool, typer.Option(help="Cluster the least sure texts so that the chosen ones differ")
+    ] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the clustering")] = 0,
+    allow_unfinished: Annotated[bool, UNFINISHED] = False,
+) -> None:
+    """Choose the texts to label next: those the classifier is least sure of, spread over the kinds of text
+    it is unsure about; writes them in the training file's layout with the label column empty (and what the
+    classifier now predicts), to label and add to the training data."""
+    from loracls.data.tables import check_source
+    from loracls.inference.export_format import folder_kind
+
+    try:
+        folder_kind(path)
+        check_source(pool)
+        check_output(out, (".csv", ".jsonl"))
+        quiet_libraries()
+        from loracls.inference import select as chooser
+        from loracls.inference.predict import Classifier, read_texts
+
+        classifier = Classifier.load(path, allow_unfinished=allow_unfinished)
+        column = text_column or classifier.text_column
+        frame, _ = read_texts(pool, column)
+        pooled, notes = chooser.pool_table(frame, column, chooser.known_texts(path))
+        texts = pooled[column].astype(str).tolist()
+        chosen, probs, unsure = chooser.select(classifier, texts, n, diverse, seed)
+    except LoraclsError as e:
+        fail(e)
+    for note in notes:
+        console.print(f"pool: {note}", soft_wrap=True)
+    label_column = chooser.label_column(path)
+    table = chooser.selection_table(pooled, chosen, probs, unsure, classifier.labels, label_column)
+    write_table(out, table)
+    console.print(
+        f"chose {len(table)} of {len(texts)} texts (mean uncertainty {table['uncertainty'].mean():.3f}, "
+        f"the pool's {unsure.mean():.3f}); written to {out}: fill in `{label_column}` and add them to the "
+        "training data",
+        soft_wrap=True,
+    )
+
+
+def check_output(path: Path, suffixes: tuple[str, ...]) -> None:
+    """Refuse an output path of another kind than `suffixes`, or in a folder that does not exist, before
+    anything loads."""
+    if path.suffix.lower() not in suffixes:
+        raise LoraclsError(f"{path}: write {' or '.join(suffixes)}")
+    if not path.parent.is_dir():
+        raise LoraclsError(f"{path}: the folder {path.parent} does not exist")
+
+
+def write_table(path: Path, table) -> None:
+    """A table as `.csv`, else JSON lines, atomically."""
+    from loracls.files import write_text
+
+    if path.suffix.lower() == ".csv":
+        write_text(path, table.to_csv(index=False))
+    else:
+        write_text(path, table.to_json(orient="records", lines=True, force_ascii=False))
