@@ -86,6 +86,10 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["inference.py", "--texts", "500", "--run", DEMO_RUN, "--out", "{out}/inference.json"],
         ["inference.py", "--texts", "16", "--run", "{out}/demo-run", "--out", "{out}/inference.json"],
     ),
+    "long_texts": (  # after demo: the demo classifier reads the texts over its 128 tokens each way
+        ["long_texts.py", "--run", DEMO_RUN, "--out", "{out}/long_texts.json"],
+        ["long_texts.py", "--run", "{out}/demo-run", "--max-texts", "16", "--out", "{out}/long_texts.json"],
+    ),
     "demo_en_tweets": (
         ["demo.py", "--out", "{out}/demo_en-tweets.json", "--run-dir", DEMO_EN_RUN, "data=en-tweets"],
         ["demo.py", "--out", "{out}/demo_en.json", "--run-dir", "{out}/demo-en", "data=en-tweets"]

@@ -5,6 +5,7 @@ checks made before the libraries load (`check_run_folder`, `quiet_libraries`) an
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import re
@@ -186,6 +187,23 @@ UNFINISHED = typer.Option(help="Accept a run that did not finish: use its best c
 INT8 = typer.Option(
     help="CPU: run the decoder's linear layers in int8 (checked against fp32 on the run's test split first; "
     "refused if it does not match)"
+)
+LONG_TEXTS = typer.Option(
+    help="A text over the run's max_length tokens: cut it, or read it in overlapping windows and average "
+    "their probabilities (mean) or take each label's highest (max)",
+)
+
+
+class LongTexts(str, enum.Enum):
+    """`--long-texts`' choices (`predict.LONG_TEXTS`)."""
+
+    cut = "cut"
+    mean = "mean"
+    max = "max"
+
+
+STRIDE = typer.Option(
+    help="--long-texts mean/max: tokens between two windows' starts (default: half a window)", min=1
 )
 MIN_CONFIDENCE = typer.Option(
     help="Single-label: give no label (abstained) where the top probability is below this; the run's report "

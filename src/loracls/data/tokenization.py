@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from loracls.console import progress
 from loracls.data.labels import is_multi_label
 from loracls.data.prompts import Prompter
+from loracls.errors import LoraclsError
 
 CHUNK = 1024
 """Texts tokenised at a time: a fast tokenizer's batch is as quick as the whole list, and the bar moves."""
@@ -60,3 +61,24 @@ def truncated_share(table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max
         return 0.0
     lengths = [len(x) for x in tokenizer(list(table["text"]), add_special_tokens=False)["input_ids"]]
     return sum(n > max_length for n in lengths) / len(lengths)
+
+
+def split_windows(
+    texts: list[str], tokenizer: PreTrainedTokenizerBase, size: int, stride: int
+) -> tuple[list[str], list[int]]:
+    """Texts of more than `size` tokens as overlapping windows of `size` tokens, `stride` tokens apart (the
+    last window ends at the text's end), decoded back to text so that each is read as any text is (inside
+    the run's prompt); shorter texts stay whole. Returns the windows and, for each, the text it came from."""
+    if not 0 < stride <= size:
+        raise LoraclsError(f"--stride must be between 1 and a window's {size} tokens, not {stride}")
+    own = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
+    windows, owner = [], []
+    for n, (text, ids) in enumerate(zip(texts, own, strict=True)):
+        if len(ids) <= size:
+            windows.append(text)
+            owner.append(n)
+            continue
+        starts = list(range(0, len(ids) - size, stride)) + [len(ids) - size]
+        windows += [tokenizer.decode(ids[start : start + size]) for start in starts]
+        owner += [n] * len(starts)
+    return windows, owner

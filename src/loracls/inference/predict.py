@@ -19,7 +19,7 @@ from loracls.console import console, progress
 from loracls.data.labels import label_names, label_value, separator
 from loracls.data.prompts import Prompter
 from loracls.data.tables import read_labelled, read_table
-from loracls.data.tokenization import tokenize
+from loracls.data.tokenization import split_windows, tokenize
 from loracls.environment.cpu import check_int8_cpu
 from loracls.environment.devices import inference_autocast, inference_device
 from loracls.environment.micro_batch import eval_batch_size
@@ -104,10 +104,18 @@ class Classifier:
     temperature: float = 1.0
     """The run's temperature (fitted on validation: `training/calibration.py`), applied to the probabilities
     of a single-label classifier; 1: none, or already folded into a merged export's head."""
+    long_texts: str = "cut"
+    """A text over `max_length` tokens: `cut` there, or read in overlapping windows of `max_length` tokens
+    whose probabilities are averaged (`mean`) or, per label, the highest taken (`max`: "any part says X";
+    single-label: then renormalised)."""
+    stride: int | None = None
+    """Tokens between the starts of two windows (None: half a window)."""
 
     def __post_init__(self) -> None:
         if self.objective is None:
             self.objective = ClassificationHead.for_model(self.model)
+        if self.long_texts not in LONG_TEXTS:
+            raise LoraclsError(f"long texts are read as one of {list(LONG_TEXTS)}, not {self.long_texts!r}")
 
     @classmethod
     def load(
@@ -229,7 +237,16 @@ class Classifier:
         return tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0}, self.prompter)
 
     def predict_probs(self, texts: list[str], stage: str | None = None) -> np.ndarray:
-        return self.probs(self.encode(texts), stage)
+        """Class probabilities of `texts`, in their order; a text over `max_length` tokens as `long_texts`
+        says."""
+        if self.long_texts == "cut":
+            return self.probs(self.encode(texts), stage)
+        size = self.max_length
+        if self.prompter is None:  # a bare text is cut with the tokenizer's special tokens counted
+            size -= len(self.tokenizer("")["input_ids"])
+        windows, owner = split_windows(texts, self.tokenizer, size, self.stride or max(1, size // 2))
+        probs = self.probs(self.encode(windows), stage)
+        return combine_windows(probs, np.array(owner), len(texts), self.long_texts, self.thresholds is None)
 
     def probs(self, dataset: Dataset, stage: str | None = None) -> np.ndarray:
         """Class probabilities of texts `encode` tokenised, in their order, with the run's temperature;
@@ -289,6 +306,27 @@ class Classifier:
                 record["abstained"] = bool(abstained)
             records.append(record | {"probabilities": rounded(p, self.labels)})
         return records
+
+
+LONG_TEXTS = {
+    "cut": "cut at max_length tokens",
+    "mean": "overlapping windows, their probabilities averaged",
+    "max": "overlapping windows, each label's highest probability",
+}
+"""How a text over the run's `max_length` tokens is read (`Classifier.long_texts`)."""
+
+
+def combine_windows(
+    probs: np.ndarray, owner: np.ndarray, texts: int, how: str, single_label: bool
+) -> np.ndarray:
+    """Each text's probabilities from its windows' (`owner`: the text of each window): their mean, or each
+    label's highest (`max`; single-label: renormalised to sum to 1)."""
+    combined = np.zeros((texts, probs.shape[1]), dtype=probs.dtype)
+    if how == "mean":
+        np.add.at(combined, owner, probs)
+        return combined / np.bincount(owner, minlength=texts)[:, None]
+    np.maximum.at(combined, owner, probs)
+    return combined / combined.sum(1, keepdims=True) if single_label else combined
 
 
 MULTI_LABEL_CONFIDENCE = (
@@ -379,11 +417,17 @@ def run_thresholds(run: RunFolder, labels: list[str]) -> list[float]:
 
 
 def evaluate_run(
-    run_dir: str | Path, data: str | None = None, allow_unfinished: bool = False, int8: bool = False
+    run_dir: str | Path,
+    data: str | None = None,
+    allow_unfinished: bool = False,
+    int8: bool = False,
+    long_texts: str = "cut",
+    stride: int | None = None,
 ) -> tuple[dict, Path]:
     """Score a run's best checkpoint, as the run scored it, on its test split (reproducing `metrics.json`)
     or on another labelled file; writes `RUN/eval/<name>/metrics.json` and `predictions.jsonl`
-    (`int8`: with the int8 CPU path, into `RUN/eval/<name>-int8/`)."""
+    (`int8`: with the int8 CPU path, into `RUN/eval/<name>-int8/`; long texts read in windows:
+    `<name>-windows-mean`)."""
     run = RunFolder(Path(run_dir))
     run.check_finished(allow_unfinished)
     cfg = run.read_config()
@@ -392,13 +436,15 @@ def evaluate_run(
     else:
         table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
     classifier = Classifier.load(run.path, allow_unfinished=allow_unfinished, int8=int8)
+    classifier.long_texts, classifier.stride = long_texts, stride
     unknown = sorted(label_names(table["label"]) - set(classifier.labels))
     if unknown:
         raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
     probs = classifier.predict_probs(list(table["text"]), "eval")
     thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
     metrics = score_test(table, probs, classifier.labels, thresholds)
-    out = run.file("eval") / ((Path(data).stem if data else "test") + ("-int8" if int8 else ""))
+    name = (Path(data).stem if data else "test") + ("-int8" if int8 else "")
+    out = run.file("eval") / (name + ("" if long_texts == "cut" else f"-windows-{long_texts}"))
     out.mkdir(parents=True, exist_ok=True)
     write_predictions_jsonl(
         out / "predictions.jsonl",

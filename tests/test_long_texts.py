@@ -1,0 +1,78 @@
+"""Texts longer than the window: `--long-texts mean|max` reads them in overlapping windows (`split_windows`)
+and combines the windows' probabilities (`combine_windows`); shorter texts are read as before."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from loracls.data.tokenization import split_windows
+from loracls.errors import LoraclsError
+from loracls.inference.predict import Classifier, combine_windows
+from tests.conftest import char_tokenizer, invoke
+
+
+def test_a_long_text_becomes_overlapping_windows_that_end_at_its_end():
+    tokenizer = char_tokenizer()
+    windows, owner = split_windows(["abcdefghij", "xyz", "abcde"], tokenizer, 4, 2)
+    assert windows == ["abcd", "cdef", "efgh", "ghij", "xyz", "abcd", "bcde"]  # the last ends at the end
+    assert owner == [0, 0, 0, 0, 1, 2, 2]
+    assert split_windows(["abcdefgh"], tokenizer, 4, 4)[0] == ["abcd", "efgh"]  # no overlap
+    with pytest.raises(LoraclsError, match="--stride must be between 1 and a window's 4 tokens, not 5"):
+        split_windows(["abcdefgh"], tokenizer, 4, 5)
+
+
+def test_windows_combine_by_their_mean_or_each_labels_highest():
+    probs = np.array([[0.9, 0.1], [0.3, 0.7], [0.6, 0.4]])
+    owner = np.array([0, 0, 1])
+    assert np.allclose(combine_windows(probs, owner, 2, "mean", True), [[0.6, 0.4], [0.6, 0.4]])
+    assert np.allclose(combine_windows(probs, owner, 2, "max", True), [[0.9 / 1.6, 0.7 / 1.6], [0.6, 0.4]])
+    assert np.allclose(combine_windows(probs, owner, 2, "max", False), [[0.9, 0.7], [0.6, 0.4]])  # per label
+
+
+class Exclaims:
+    """An objective that says `positive` exactly when the text read holds a "!" (one token of the tiny
+    models' character tokenizer): what a window sees is plain."""
+
+    def __init__(self, tokenizer):
+        self.mark = tokenizer.convert_tokens_to_ids("!")
+
+    def probs(self, model, batch):
+        seen = (batch["input_ids"] == self.mark).any(1).float()
+        return torch.stack([1 - seen, seen], 1)
+
+    def classes(self, model):
+        return 2
+
+
+def test_a_mark_past_the_cut_is_read_in_windows_and_short_texts_answer_as_before(quick_run):
+    classifier = Classifier.load(quick_run)
+    assert classifier.max_length == 64 and classifier.labels == ["negative", "positive"]  # conftest FAST
+    classifier.objective, classifier.temperature = Exclaims(classifier.tokenizer), 1.0
+    texts = ["a short one!", "a short one", "the book was " * 12 + "great!", "the book was " * 12]
+    cut = classifier.predict_probs(texts)
+    assert cut[:, 1].tolist() == [1, 0, 0, 0]  # the long one's "!" is past the cut
+    classifier.long_texts = "mean"
+    windowed = classifier.predict_probs(texts)
+    assert np.allclose(windowed[:2], cut[:2]) and windowed[3, 1] == 0  # short texts as before
+    assert 0 < windowed[2, 1] < 1  # the last window sees it, the others do not
+    classifier.long_texts, classifier.stride = "max", 8
+    assert np.allclose(
+        classifier.predict_probs(texts)[2], [0.5, 0.5]
+    )  # both labels' highest is 1: renormalised
+    with pytest.raises(LoraclsError, match="long texts are read as one of"):
+        Classifier(classifier.model, classifier.tokenizer, classifier.labels, 64, long_texts="all")
+
+
+def test_predict_and_eval_read_long_texts_in_windows(quick_run):
+    result = invoke(
+        "predict", quick_run, "the book was " * 12 + "great", "--long-texts", "max", "--stride", "16"
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[-1])["label"] in ("positive", "negative")
+    result = invoke("eval", quick_run, "--long-texts", "mean")
+    assert result.exit_code == 0, result.output
+    assert (quick_run / "eval" / "test-windows-mean" / "metrics.json").is_file()
+    result = invoke("predict", quick_run, "x", "--long-texts", "all")
+    assert result.exit_code != 0 and "'all' is not one of" in result.output
