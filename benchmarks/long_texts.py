@@ -19,6 +19,7 @@ max_length (the named baseline), measured in one process one after another.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -32,9 +33,10 @@ from loracls.training.runs import RunFolder
 
 
 def unseen(run: RunFolder) -> tuple[list[str], list[str]]:
-    """The texts of the run's data (its splits as `load_splits` draws them again) outside its training
-    sample, and their labels."""
-    splits = load_splits(run.read_config())
+    """The texts of the run's data (its splits as `load_splits` draws them again, before any sampling)
+    outside its training sample, and their labels."""
+    cfg = dataclasses.replace(run.read_config(), max_train_examples=None, max_eval_examples=None)
+    splits = load_splits(cfg)
     trained = set(run.read_split("train")["text"])
     texts, labels = [], []
     for table in (splits.train, splits.val, splits.test):
