@@ -12,8 +12,9 @@ run's best checkpoint, reads them each way:
   mean-S, max-S  overlapping windows of max_length tokens, S tokens apart, their probabilities averaged
                  (mean) or each label's highest (max)
 
-Each way's accuracy and macro-F1, its seconds and the tokens it read per text, against `cut` at the run's
-max_length (the named baseline), measured in one process one after another.
+Each way's accuracy and macro-F1 (and the accuracy on the texts a default may be chosen on, `choose`: the
+training split's rest and validation; and on `test`), its seconds and the tokens it read per text, against
+`cut` at the run's max_length (the named baseline), measured in one process one after another.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ from loracls.inference.predict import Classifier
 from loracls.training.runs import RunFolder
 
 
-def unseen(run: RunFolder) -> tuple[list[str], list[str]]:
+def unseen(run: RunFolder) -> tuple[list[str], list[str], list[str]]:
     """The texts of the run's data (its splits as `load_splits` draws them again, before any sampling)
-    outside its training sample, and their labels."""
+    outside its training sample, their labels, and the split each came from (`choose`: the training split's
+    rest and validation, where a default may be chosen; `test`)."""
     cfg = dataclasses.replace(run.read_config(), max_train_examples=None, max_eval_examples=None)
     splits = load_splits(cfg)
     trained = set(run.read_split("train")["text"])
-    texts, labels = [], []
-    for table in (splits.train, splits.val, splits.test):
+    texts, labels, parts = [], [], []
+    for part, table in (("choose", splits.train), ("choose", splits.val), ("test", splits.test)):
         for text, label in zip(table["text"], table["label"], strict=True):
             if text not in trained:
                 texts.append(text)
                 labels.append(label)
-    return texts, labels
+                parts.append(part)
+    return texts, labels, parts
 
 
 def tokens_read(lengths: np.ndarray, how: str, size: int, stride: int | None) -> int:
@@ -64,12 +67,13 @@ def main() -> None:
     args = parser.parse_args()
     run = RunFolder(args.run)
     classifier = Classifier.from_run(args.run)
-    texts, labels = unseen(run)
+    texts, labels, parts = unseen(run)
     size = classifier.max_length
     lengths = np.array([len(x) for x in classifier.tokenizer(texts, add_special_tokens=False)["input_ids"]])
     keep = np.argsort(-lengths, kind="stable")[: args.max_texts]
     keep = keep[lengths[keep] > size]
     texts, labels, lengths = [texts[i] for i in keep], [labels[i] for i in keep], lengths[keep]
+    parts = np.array([parts[i] for i in keep])
     if not texts:
         raise SystemExit(f"{args.run}: its data has no unseen text over its max_length of {size} tokens")
     print(
@@ -85,11 +89,16 @@ def main() -> None:
         probs = classifier.predict_probs(texts, f"{how} {length} {stride or ''}")
         seconds = time.perf_counter() - started
         predicted = [classifier.labels[i] for i in probs.argmax(1)]
+        gold, predicted = np.array(labels), np.array(predicted)
         rows.append(
             {
                 "way": f"cut-{length}" if how == "cut" else f"{how}-{stride}",
-                "accuracy": accuracy_score(labels, predicted),
-                "macro_f1": f1_score(labels, predicted, average="macro"),
+                "accuracy": accuracy_score(gold, predicted),
+                "macro_f1": f1_score(gold, predicted, average="macro"),
+                **{
+                    f"{part}_accuracy": accuracy_score(gold[parts == part], predicted[parts == part])
+                    for part in ("choose", "test")
+                },
                 "seconds": round(seconds, 1),
                 "tokens_per_text": round(read / len(texts), 1),
             }
@@ -108,6 +117,7 @@ def main() -> None:
             "data": run.read_config().data,
             "max_length": size,
             "texts": len(texts),
+            "texts_by_part": {part: int((parts == part).sum()) for part in ("choose", "test")},
             "median_tokens": int(np.median(lengths)),
             "rows": rows,
         },

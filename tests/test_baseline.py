@@ -178,6 +178,29 @@ def test_reversed_order_and_distribution_catch_a_position_bias(llama, monkeypatc
     assert metrics["accuracy"] == metrics["swapped_order"]["accuracy"] == 0.5
 
 
+def test_a_prompt_without_the_label_list_is_not_read_twice(llama, monkeypatch):
+    """Reversing the label order changes nothing in a prompt that does not list them: one reading less."""
+    model, tokenizer = llama
+    table = toy_reviews(10).assign(id=lambda t: t.index.astype(str))
+    calls = []
+    scorer = baseline.label_log_probs
+
+    def counted(model, tokenizer, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return scorer(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(baseline, "label_log_probs", counted)
+    plain = TrainConfig(verbalizers="negative=bad,positive=good", prompt_instruction="")  # no label list
+    metrics = run_baseline(model, tokenizer, table, LABELS, None, plain)
+    assert calls == [10, len(baseline.CONTENT_FREE)]  # the texts and the content-free inputs, once each
+    assert metrics["swapped_order"]["accuracy"] == metrics["uncalibrated"]["accuracy"]
+    assert "the prompt lists no labels" in baseline.baseline_line(metrics)
+    calls.clear()
+    listed = TrainConfig(verbalizers="negative=bad,positive=good", prompt_instruction="One of: {options}.")
+    run_baseline(model, tokenizer, table, LABELS, None, listed)
+    assert calls == [10, len(baseline.CONTENT_FREE), 10]  # and the texts in the reversed order
+
+
 def test_run_baseline_writes_metrics_and_every_prediction(llama, tmp_path):
     model, tokenizer = llama
     table = toy_reviews(12, seed=3).assign(id=lambda t: [f"r{i}" for i in t.index])

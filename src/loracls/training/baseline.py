@@ -138,7 +138,8 @@ def run_baseline(
     """Score `table` with the prompt baseline; write `baseline_metrics.json` and predictions into `out`.
 
     Reports the uncalibrated and calibrated figures and, as a bias check, the figures with the label order
-    in the prompt reversed. The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
+    in the prompt reversed (a prompt that does not list the labels is not read twice: its reversed reading is
+    the same prompt). The headline (`accuracy`, `macro_f1`, `pred_distribution`) is the calibrated one
     with `cfg.calibrate`, else the uncalibrated one. The prompt follows `cfg`'s prompt keys (`PromptConfig`);
     `cfg.max_length` tokens of each text are kept, `cfg.seed` draws the shots. With `processes` (several),
     each process scores every n-th prompt and all of them get the whole result. `choice`: how the prompt
@@ -170,18 +171,24 @@ def run_baseline(
         scores[mine] = label_log_probs(model, tokenizer, mine_prompts, token_lists, batch_size, stage.advance)
         return gather_rows(scores, mine)
 
-    share = 2 * len(range(index, len(texts), count)) + len(range(index, len(CONTENT_FREE), count))
+    # a prompt that does not list the labels reads the same in either order: its bias check is the reading
+    listed = prompter.render("\0", order) != prompter.render("\0", order[::-1])
+    readings = 2 if listed else 1
+    share = readings * len(range(index, len(texts), count)) + len(range(index, len(CONTENT_FREE), count))
     with progress("baseline", share, "prompts") as stage:
         stage.update(at="the texts")
         scores = log_probs(texts, order, stage)
         stage.update(at="calibration (content-free inputs)")
         content_free = softmax(log_probs(list(CONTENT_FREE), order, stage)).mean(axis=0)
-        stage.update(at="the label order reversed")
-        swapped = log_probs(texts, order[::-1], stage)
+        swapped = scores
+        if listed:
+            stage.update(at="the label order reversed")
+            swapped = log_probs(texts, order[::-1], stage)
     probs = softmax(scores)
     calibrated = calibrate(probs, content_free)
     headline = "calibrated" if cfg.calibrate else "uncalibrated"
     results = three_readings(table, labels, probs, calibrated, content_free, softmax(swapped), order[::-1])
+    results["swapped_order"]["listed"] = listed
     metrics = {
         **{key: results[headline][key] for key in ("accuracy", "macro_f1", "pred_distribution")},
         "headline": headline,
@@ -263,11 +270,16 @@ def baseline_line(metrics: dict) -> str:
     """One line: headline accuracy/F1, the other calibration state, the swapped order, the distribution."""
     other = "uncalibrated" if metrics["headline"] == "calibrated" else "calibrated"
     dist = ", ".join(f"{k} {v}" for k, v in metrics["pred_distribution"].items())
+    swapped = metrics["swapped_order"]
+    reversed_order = (
+        f"label order reversed {swapped['accuracy']:.4f}"
+        if swapped.get("listed", True)
+        else "the prompt lists no labels (no order to reverse)"
+    )
     return (
         f"baseline ({metrics['headline']}, {metrics['prompt']['shots']}-shot): accuracy "
         f"{metrics['accuracy']:.4f}, macro-F1 {metrics['macro_f1']:.4f}; {other} "
-        f"{metrics[other]['accuracy']:.4f}; label order reversed {metrics['swapped_order']['accuracy']:.4f}; "
-        f"predicted: {dist}"
+        f"{metrics[other]['accuracy']:.4f}; {reversed_order}; predicted: {dist}"
     )
 
 
