@@ -1,6 +1,7 @@
 """Texts longer than the window: is reading them in windows worth it against cutting them?
 
-    python benchmarks/long_texts.py --run RUN [--max-texts 1000] [--out benchmarks/results/long_texts.json]
+    python benchmarks/long_texts.py --run RUN [--max-texts 1000] [--ways cut-128,...]
+        [--out benchmarks/results/long_texts.json]
 
 RUN is a finished run (e.g. `make demo`'s: zh-reviews at max_length 128). The texts are its data's texts over
 the run's `max_length` tokens that it never trained on: its validation and test splits' and those of the
@@ -57,6 +58,10 @@ def tokens_read(lengths: np.ndarray, how: str, size: int, stride: int | None) ->
     return int(sum(n if n <= size else size * (len(range(0, n - size, stride)) + 1) for n in lengths))
 
 
+def name(how: str, length: int, stride: int | None) -> str:
+    return f"cut-{length}" if how == "cut" else f"{how}-{stride}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -64,6 +69,7 @@ def main() -> None:
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--max-texts", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=RESULTS / "long_texts.json")
+    parser.add_argument("--ways", help="Only these ways (cut-128,mean-63,...); the first is the baseline")
     args = parser.parse_args()
     run = RunFolder(args.run)
     classifier = Classifier.from_run(args.run)
@@ -79,12 +85,14 @@ def main() -> None:
     print(
         f"{len(texts)} texts over {size} tokens (median {int(np.median(lengths))}, longest {lengths.max()})"
     )
+    window = classifier.window()  # the text tokens a window holds (max_length less a bare text's specials)
     ways = [("cut", size, None), ("cut", 4 * size, None)]
-    ways += [(how, size, stride) for how in ("mean", "max") for stride in (size // 2, size)]
+    ways += [(how, size, stride) for how in ("mean", "max") for stride in (window // 2, window)]
+    ways = [way for way in ways if not args.ways or name(*way) in args.ways.split(",")]
     rows = []
     for how, length, stride in ways:
         classifier.max_length, classifier.long_texts, classifier.stride = length, how, stride
-        read = tokens_read(lengths, how, length, stride)
+        read = tokens_read(lengths, how, length if how == "cut" else window, stride)
         started = time.perf_counter()
         probs = classifier.predict_probs(texts, f"{how} {length} {stride or ''}")
         seconds = time.perf_counter() - started
@@ -92,7 +100,7 @@ def main() -> None:
         gold, predicted = np.array(labels), np.array(predicted)
         rows.append(
             {
-                "way": f"cut-{length}" if how == "cut" else f"{how}-{stride}",
+                "way": name(how, length, stride),
                 "accuracy": accuracy_score(gold, predicted),
                 "macro_f1": f1_score(gold, predicted, average="macro"),
                 **{

@@ -61,6 +61,8 @@ def test_a_mark_past_the_cut_is_read_in_windows_and_short_texts_answer_as_before
     assert np.allclose(
         classifier.predict_probs(texts)[2], [0.5, 0.5]
     )  # both labels' highest is 1: renormalised
+    classifier.long_texts, classifier.stride = "mean", 10_000  # beyond a window: windows side by side
+    assert np.allclose(classifier.predict_probs(texts[:1]), cut[:1])
     with pytest.raises(LoraclsError, match="long texts are read as one of"):
         Classifier(classifier.model, classifier.tokenizer, classifier.labels, 64, long_texts="all")
 

@@ -109,7 +109,7 @@ class Classifier:
     whose probabilities are averaged (`mean`) or, per label, the highest taken (`max`: "any part says X";
     single-label: then renormalised)."""
     stride: int | None = None
-    """Tokens between the starts of two windows (None: half a window)."""
+    """Tokens between the starts of two windows (None: half a window; at most a window)."""
 
     def __post_init__(self) -> None:
         if self.objective is None:
@@ -241,12 +241,18 @@ class Classifier:
         says."""
         if self.long_texts == "cut":
             return self.probs(self.encode(texts), stage)
-        size = self.max_length
-        if self.prompter is None:  # a bare text is cut with the tokenizer's special tokens counted
-            size -= len(self.tokenizer("")["input_ids"])
-        windows, owner = split_windows(texts, self.tokenizer, size, self.stride or max(1, size // 2))
+        size = self.window()
+        stride = min(self.stride or max(1, size // 2), size)
+        windows, owner = split_windows(texts, self.tokenizer, size, stride)
         probs = self.probs(self.encode(windows), stage)
         return combine_windows(probs, np.array(owner), len(texts), self.long_texts, self.thresholds is None)
+
+    def window(self) -> int:
+        """The text tokens the model reads of a text: `max_length`, less the tokenizer's special tokens where
+        a bare text is read (they count against its cut)."""
+        if self.prompter is not None:
+            return self.max_length
+        return self.max_length - len(self.tokenizer("")["input_ids"])
 
     def probs(self, dataset: Dataset, stage: str | None = None) -> np.ndarray:
         """Class probabilities of texts `encode` tokenised, in their order, with the run's temperature;
