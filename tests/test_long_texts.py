@@ -10,7 +10,7 @@ import torch
 from loracls.data.tokenization import split_windows
 from loracls.errors import LoraclsError
 from loracls.inference.predict import Classifier, combine_windows
-from tests.conftest import char_tokenizer, invoke
+from tests.conftest import FAST, char_tokenizer, invoke, toy_reviews
 
 
 def test_a_long_text_becomes_overlapping_windows_that_end_at_its_end():
@@ -26,9 +26,9 @@ def test_a_long_text_becomes_overlapping_windows_that_end_at_its_end():
 def test_windows_combine_by_their_mean_or_each_labels_highest():
     probs = np.array([[0.9, 0.1], [0.3, 0.7], [0.6, 0.4]])
     owner = np.array([0, 0, 1])
-    assert np.allclose(combine_windows(probs, owner, 2, "mean", True), [[0.6, 0.4], [0.6, 0.4]])
-    assert np.allclose(combine_windows(probs, owner, 2, "max", True), [[0.9 / 1.6, 0.7 / 1.6], [0.6, 0.4]])
-    assert np.allclose(combine_windows(probs, owner, 2, "max", False), [[0.9, 0.7], [0.6, 0.4]])  # per label
+    assert np.allclose(combine_windows(probs, owner, "mean", True), [[0.6, 0.4], [0.6, 0.4]])
+    assert np.allclose(combine_windows(probs, owner, "max", True), [[0.9 / 1.6, 0.7 / 1.6], [0.6, 0.4]])
+    assert np.allclose(combine_windows(probs, owner, "max", False), [[0.9, 0.7], [0.6, 0.4]])  # per label
 
 
 class Exclaims:
@@ -78,3 +78,30 @@ def test_predict_and_eval_read_long_texts_in_windows(quick_run):
     assert (quick_run / "eval" / "test-windows-mean" / "metrics.json").is_file()
     result = invoke("predict", quick_run, "x", "--long-texts", "all")
     assert result.exit_code != 0 and "'all' is not one of" in result.output
+
+
+def test_a_run_validates_and_tests_long_texts_in_windows_and_its_readers_follow(tiny_models, tmp_path):
+    data = tmp_path / "reviews.csv"
+    toy_reviews(120).to_csv(data, index=False)
+    out = tmp_path / "run"
+    args = ("--no-baseline", "--head-init", "zero", "--max-length", "12", "--long-texts", "mean")
+    fast = [a for a in FAST if a not in ("--max-length", "64")]
+    result = invoke("train", "--model", tiny_models["llama"], "--data", data, "--out", out, *fast, *args)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    test = (out / "data" / "test.jsonl").read_text().splitlines()
+    assert metrics["test"]["n"] == len(test)  # a row per text, whatever its windows
+    val = sorted((out / "val_predictions").glob("*.jsonl"))[-1].read_text().splitlines()
+    assert len(val) == len((out / "data" / "val.jsonl").read_text().splitlines())
+    classifier = Classifier.load(out)
+    assert (classifier.long_texts, classifier.stride) == ("mean", None)  # predict reads as the run did
+    scored = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    predicted = classifier.predict_probs([row["text"] for row in scored]).argmax(1)
+    assert [classifier.labels[i] for i in predicted] == [row["predicted"] for row in scored]
+    result = invoke("eval", out)
+    assert result.exit_code == 0, result.output
+    again = json.loads((out / "eval" / "test" / "metrics.json").read_text())
+    assert again["accuracy"] == metrics["test"]["accuracy"]  # eval reproduces the run's windows
+    exported = tmp_path / "export"
+    assert invoke("export", out, "--out", exported).exit_code == 0
+    assert Classifier.load(exported).long_texts == "mean"

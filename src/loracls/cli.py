@@ -156,7 +156,7 @@ def baseline(
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A finished run folder")],
     data: Annotated[str | None, typer.Option(help="A labelled file; default: the run's test split")] = None,
-    long_texts: Annotated[LongTexts, LONG_TEXTS] = LongTexts.cut,
+    long_texts: Annotated[LongTexts | None, LONG_TEXTS] = None,
     stride: Annotated[int | None, STRIDE] = None,
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
@@ -171,7 +171,8 @@ def evaluate(
         quiet_libraries()
         from loracls.inference.predict import evaluate_run
 
-        metrics, out = evaluate_run(run_dir, data, allow_unfinished, int8, long_texts.value, stride)
+        how = long_texts.value if long_texts else None
+        metrics, out = evaluate_run(run_dir, data, allow_unfinished, int8, how, stride)
     except LoraclsError as e:
         fail(e)
     console.print(
@@ -197,7 +198,7 @@ def predict(
     ] = False,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens --generate writes at most", min=1)] = 64,
     min_confidence: Annotated[float | None, MIN_CONFIDENCE] = None,
-    long_texts: Annotated[LongTexts, LONG_TEXTS] = LongTexts.cut,
+    long_texts: Annotated[LongTexts | None, LONG_TEXTS] = None,
     stride: Annotated[int | None, STRIDE] = None,
     allow_unfinished: Annotated[bool, UNFINISHED] = False,
     int8: Annotated[bool, INT8] = False,
@@ -217,7 +218,8 @@ def predict(
         from loracls.inference.predict import Classifier, prediction_lines, read_texts, write_predictions
 
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
-        classifier.long_texts, classifier.stride = long_texts.value, stride
+        if long_texts is not None:
+            classifier.long_texts, classifier.stride = long_texts.value, stride
         if classifier.int8:
             console.print(int8_line(classifier.int8), soft_wrap=True)
         column = text_column or classifier.text_column

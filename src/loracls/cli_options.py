@@ -190,7 +190,7 @@ INT8 = typer.Option(
 )
 LONG_TEXTS = typer.Option(
     help="A text over the run's max_length tokens: cut it, or read it in overlapping windows and average "
-    "their probabilities (mean) or take each label's highest (max)",
+    "their probabilities (mean) or take each label's highest (max); default: as the run does (long_texts)",
 )
 
 

@@ -118,6 +118,12 @@ class TrainConfig(PromptConfig):
     """Keep at most this many validation and test examples each (a stratified sample)."""
     max_length: int = 256
     """Truncate texts to this many tokens."""
+    long_texts: str = "cut"
+    """How validation, test, `eval` and `predict` read a text over `max_length` tokens: `cut` there (as
+    training reads it), or in overlapping windows of `max_length` tokens whose probabilities are averaged
+    (`mean`) or, per label, the highest taken (`max`). Texts that fit are read as before."""
+    window_stride: int | None = None
+    """`long_texts` `mean`/`max`: tokens between two windows' starts (None: half a window)."""
     epochs: float = 2.0
     """Passes over the training data; a fraction stops part-way through the last one."""
     min_steps: int = 60
@@ -263,6 +269,8 @@ class TrainConfig(PromptConfig):
             "epochs": self.epochs > 0,
             "min_steps": self.min_steps >= 0,
             "max_length": self.max_length >= 2,
+            "long_texts": self.long_texts in ("cut", "mean", "max"),
+            "window_stride": self.window_stride is None or self.window_stride >= 1,
             "lora_r": self.lora_r >= 1,
             "lora_alpha": self.lora_alpha > 0,
             "lora_dropout": 0 <= self.lora_dropout < 1,
@@ -464,7 +472,7 @@ GROUPS = {
         *("model", "data", "val", "test", "text_column", "label_column", "multi_label", "label_separator"),
         *("label_type", "merge_label_case"),
         *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
-        *("max_eval_examples", "max_length"),
+        *("max_eval_examples", "max_length", "long_texts", "window_stride"),
     ],
     "LoRA, head and objective": [
         "lora_r",

@@ -22,11 +22,23 @@ def tokenize(
     label2id: dict[str, int],
     prompter: Prompter | None = None,
     stage: str | None = None,
+    long_texts: str = "cut",
+    stride: int | None = None,
 ) -> Dataset:
     """A `datasets.Dataset` with `input_ids` and integer `labels`; padding happens per batch, later.
 
-    With `prompter`, each text (cut to `max_length` tokens) is read inside the prompt. `stage` names a
+    With `prompter`, each text (cut to `max_length` tokens) is read inside the prompt. `long_texts` `mean` or
+    `max`: a text over `max_length` tokens becomes overlapping windows (`split_windows`, `stride` apart, None:
+    half a window), a row each, and the `owner` column says which text each row reads. `stage` names a
     progress bar over the texts, `CHUNK` at a time (None: none)."""
+    if long_texts != "cut":
+        size = window_tokens(tokenizer, max_length, prompter)
+        texts, owner = split_windows(
+            list(table["text"]), tokenizer, size, min(stride or max(1, size // 2), size)
+        )
+        windows = table.iloc[owner].assign(text=texts)
+        dataset = tokenize(windows, tokenizer, max_length, label2id, prompter, stage)
+        return dataset.add_column("owner", owner)
     if is_multi_label(table["label"]):  # multi-hot float targets for binary cross-entropy
         targets = [[float(name in names) for name in label2id] for names in table["label"]]
     else:
@@ -61,6 +73,12 @@ def truncated_share(table: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, max
         return 0.0
     lengths = [len(x) for x in tokenizer(list(table["text"]), add_special_tokens=False)["input_ids"]]
     return sum(n > max_length for n in lengths) / len(lengths)
+
+
+def window_tokens(tokenizer: PreTrainedTokenizerBase, max_length: int, prompter: Prompter | None) -> int:
+    """A text's tokens that one reading holds: `max_length`, less the tokenizer's special tokens where a bare
+    text is read (they count against its cut; inside a prompt they do not)."""
+    return max_length if prompter is not None else max_length - len(tokenizer("")["input_ids"])
 
 
 def split_windows(

@@ -88,6 +88,8 @@ def export_run(
                 "labels": labels,
                 "label_type": cfg.label_type,
                 "max_length": cfg.max_length,
+                "long_texts": cfg.long_texts,
+                "window_stride": cfg.window_stride,
                 "batch_size": eval_batch_size(cfg.micro_batch_size),
                 "text_column": cfg.text_column,
                 "base_model": cfg.model,

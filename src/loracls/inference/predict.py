@@ -19,7 +19,7 @@ from loracls.console import console, progress
 from loracls.data.labels import label_names, label_value, separator
 from loracls.data.prompts import Prompter
 from loracls.data.tables import read_labelled, read_table
-from loracls.data.tokenization import split_windows, tokenize
+from loracls.data.tokenization import split_windows, tokenize, window_tokens
 from loracls.environment.cpu import check_int8_cpu
 from loracls.environment.devices import inference_autocast, inference_device
 from loracls.environment.micro_batch import eval_batch_size
@@ -31,6 +31,7 @@ from loracls.model import load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
 from loracls.training.calibration import abstains, with_temperature
 from loracls.training.evaluate import (
+    combine_windows,
     label_matrix,
     predict_probs,
     predicted_labels,
@@ -187,6 +188,8 @@ class Classifier:
             objective=objective_kind(cfg.objective).for_inference(model, prompter, labels),
             label_type=cfg.label_type,
             temperature=run_temperature(run),
+            long_texts=cfg.long_texts,
+            stride=cfg.window_stride,
         )
 
     @classmethod
@@ -226,6 +229,8 @@ class Classifier:
             objective=objective_kind(objective).for_inference(model, prompter, info["labels"]),
             label_type=info.get("label_type", "str"),
             temperature=1.0 if info.get("temperature_in_head") else info.get("temperature", 1.0),
+            long_texts=info.get("long_texts", "cut"),
+            stride=info.get("window_stride"),
         )
         if int8:
             classifier.precision, classifier.int8 = "fp32", info["int8"]
@@ -244,19 +249,17 @@ class Classifier:
         size = self.window()
         stride = min(self.stride or max(1, size // 2), size)
         windows, owner = split_windows(texts, self.tokenizer, size, stride)
-        probs = self.probs(self.encode(windows), stage)
-        return combine_windows(probs, np.array(owner), len(texts), self.long_texts, self.thresholds is None)
+        probs = self.probs(self.encode(windows), stage, calibrated=False)
+        probs = combine_windows(probs, np.array(owner), self.long_texts, self.thresholds is None)
+        return with_temperature(probs, self.temperature) if self.thresholds is None else probs
 
     def window(self) -> int:
-        """The text tokens the model reads of a text: `max_length`, less the tokenizer's special tokens where
-        a bare text is read (they count against its cut)."""
-        if self.prompter is not None:
-            return self.max_length
-        return self.max_length - len(self.tokenizer("")["input_ids"])
+        """The text tokens the model reads of a text (`tokenization.window_tokens`)."""
+        return window_tokens(self.tokenizer, self.max_length, self.prompter)
 
-    def probs(self, dataset: Dataset, stage: str | None = None) -> np.ndarray:
-        """Class probabilities of texts `encode` tokenised, in their order, with the run's temperature;
-        `stage` names a progress bar."""
+    def probs(self, dataset: Dataset, stage: str | None = None, calibrated: bool = True) -> np.ndarray:
+        """Class probabilities of texts `encode` tokenised, in their order, with the run's temperature
+        (`calibrated`); `stage` names a progress bar."""
         device = next(self.model.parameters()).device
         probs = predict_probs(
             self.model,
@@ -320,19 +323,6 @@ LONG_TEXTS = {
     "max": "overlapping windows, each label's highest probability",
 }
 """How a text over the run's `max_length` tokens is read (`Classifier.long_texts`)."""
-
-
-def combine_windows(
-    probs: np.ndarray, owner: np.ndarray, texts: int, how: str, single_label: bool
-) -> np.ndarray:
-    """Each text's probabilities from its windows' (`owner`: the text of each window): their mean, or each
-    label's highest (`max`; single-label: renormalised to sum to 1)."""
-    combined = np.zeros((texts, probs.shape[1]), dtype=probs.dtype)
-    if how == "mean":
-        np.add.at(combined, owner, probs)
-        return combined / np.bincount(owner, minlength=texts)[:, None]
-    np.maximum.at(combined, owner, probs)
-    return combined / combined.sum(1, keepdims=True) if single_label else combined
 
 
 MULTI_LABEL_CONFIDENCE = (
@@ -427,13 +417,13 @@ def evaluate_run(
     data: str | None = None,
     allow_unfinished: bool = False,
     int8: bool = False,
-    long_texts: str = "cut",
+    long_texts: str | None = None,
     stride: int | None = None,
 ) -> tuple[dict, Path]:
     """Score a run's best checkpoint, as the run scored it, on its test split (reproducing `metrics.json`)
     or on another labelled file; writes `RUN/eval/<name>/metrics.json` and `predictions.jsonl`
-    (`int8`: with the int8 CPU path, into `RUN/eval/<name>-int8/`; long texts read in windows:
-    `<name>-windows-mean`)."""
+    (`int8`: with the int8 CPU path, into `RUN/eval/<name>-int8/`). `long_texts`, `stride`: read texts over
+    max_length otherwise than the run does (`Classifier.long_texts`; into `<name>-windows-mean/` ...)."""
     run = RunFolder(Path(run_dir))
     run.check_finished(allow_unfinished)
     cfg = run.read_config()
@@ -442,15 +432,17 @@ def evaluate_run(
     else:
         table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
     classifier = Classifier.load(run.path, allow_unfinished=allow_unfinished, int8=int8)
-    classifier.long_texts, classifier.stride = long_texts, stride
+    name = (Path(data).stem if data else "test") + ("-int8" if int8 else "")
+    if long_texts is not None and (long_texts, stride) != (cfg.long_texts, cfg.window_stride):
+        classifier.long_texts, classifier.stride = long_texts, stride
+        name += "-cut" if long_texts == "cut" else f"-windows-{long_texts}"
     unknown = sorted(label_names(table["label"]) - set(classifier.labels))
     if unknown:
         raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")
     probs = classifier.predict_probs(list(table["text"]), "eval")
     thresholds = None if classifier.thresholds is None else np.array(classifier.thresholds)
     metrics = score_test(table, probs, classifier.labels, thresholds)
-    name = (Path(data).stem if data else "test") + ("-int8" if int8 else "")
-    out = run.file("eval") / (name + ("" if long_texts == "cut" else f"-windows-{long_texts}"))
+    out = run.file("eval") / name
     out.mkdir(parents=True, exist_ok=True)
     write_predictions_jsonl(
         out / "predictions.jsonl",

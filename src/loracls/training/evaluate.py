@@ -256,6 +256,19 @@ def describe_learning(summary: dict) -> list[str]:
     return lines
 
 
+def combine_windows(probs: np.ndarray, owner: np.ndarray, how: str, single_label: bool) -> np.ndarray:
+    """Each text's probabilities from its windows' (`owner`: the text of each window, every text from 0 on
+    with one at least): their mean, or each label's highest (`max`; single-label: renormalised to sum to
+    1)."""
+    texts = int(owner.max()) + 1 if len(owner) else 0
+    combined = np.zeros((texts, probs.shape[1]), dtype=probs.dtype)
+    if how == "mean":
+        np.add.at(combined, owner, probs)
+        return combined / np.bincount(owner, minlength=texts)[:, None]
+    np.maximum.at(combined, owner, probs)
+    return combined / combined.sum(1, keepdims=True) if single_label else combined
+
+
 def evaluation_probs(
     model: torch.nn.Module,
     dataset: Dataset,
@@ -265,8 +278,10 @@ def evaluation_probs(
     objective: Objective,
     stage: str | None = None,
 ) -> np.ndarray:
-    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes."""
-    return predict_probs(
+    """`predict_probs` as a run evaluates: batches of twice the micro-batch, shared by the processes; a
+    dataset of windows (`owner`: `tokenize`'s `long_texts`) gives each text's, as `cfg.long_texts` combines
+    them."""
+    probs = predict_probs(
         model,
         dataset,
         tokenizer,
@@ -277,6 +292,9 @@ def evaluation_probs(
         objective,
         stage,
     )
+    if "owner" not in dataset.column_names:
+        return probs
+    return combine_windows(probs, np.array(dataset["owner"]), cfg.long_texts, not cfg.multi_label)
 
 
 def score_validation(probs: np.ndarray, splits: Splits, cfg: TrainConfig, run: RunFolder, step: int) -> dict:

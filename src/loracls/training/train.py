@@ -297,10 +297,12 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     console.print(describe(model))
     run.stage = "tokenizing the data"
     prompter = input_prompter(tokenizer, cfg, splits.labels)
-    train_set, val_set, test_set = (
-        tokenize(table, tokenizer, cfg.max_length, splits.label2id, prompter, stage=f"tokenize {name}")
-        for name, table in (("train", splits.train), ("validation", splits.val), ("test", splits.test))
-    )
+    train_set = tokenize(splits.train, tokenizer, cfg.max_length, splits.label2id, prompter, "tokenize train")
+    val_set, test_set = (  # a text over max_length: as cfg.long_texts reads it (training cuts it)
+        tokenize(table, tokenizer, cfg.max_length, splits.label2id, prompter, f"tokenize {name}",
+                 cfg.long_texts, cfg.window_stride)
+        for name, table in (("validation", splits.val), ("test", splits.test))
+    )  # fmt: skip
     train_set = kind.training_set(train_set, splits.train, prompter, splits.label2id)
     objective = kind.for_training(cfg, train_set, prompter, splits.labels, accelerator)
     share = truncated_share(splits.train, tokenizer, cfg.max_length)
