@@ -19,8 +19,10 @@ def test_a_long_text_becomes_overlapping_windows_that_end_at_its_end():
     assert windows == ["abcd", "cdef", "efgh", "ghij", "xyz", "abcd", "bcde"]  # the last ends at the end
     assert owner == [0, 0, 0, 0, 1, 2, 2]
     assert split_windows(["abcdefgh"], tokenizer, 4, 4)[0] == ["abcd", "efgh"]  # no overlap
-    with pytest.raises(LoraclsError, match="--stride must be between 1 and a window's 4 tokens, not 5"):
-        split_windows(["abcdefgh"], tokenizer, 4, 5)
+    assert split_windows(["abcdefgh"], tokenizer, 4, 5)[0] == ["abcd", "efgh"]  # beyond a window: a window
+    assert split_windows(["abcdefgh"], tokenizer, 4)[0] == ["abcd", "cdef", "efgh"]  # half a window
+    with pytest.raises(LoraclsError, match="--stride must be at least 1, not 0"):
+        split_windows(["abcdefgh"], tokenizer, 4, 0)
 
 
 def test_windows_combine_by_their_mean_or_each_labels_highest():

@@ -33,9 +33,7 @@ def tokenize(
     progress bar over the texts, `CHUNK` at a time (None: none)."""
     if long_texts != "cut":
         size = window_tokens(tokenizer, max_length, prompter)
-        texts, owner = split_windows(
-            list(table["text"]), tokenizer, size, min(stride or max(1, size // 2), size)
-        )
+        texts, owner = split_windows(list(table["text"]), tokenizer, size, stride)
         windows = table.iloc[owner].assign(text=texts)
         dataset = tokenize(windows, tokenizer, max_length, label2id, prompter, stage)
         return dataset.add_column("owner", owner)
@@ -82,13 +80,15 @@ def window_tokens(tokenizer: PreTrainedTokenizerBase, max_length: int, prompter:
 
 
 def split_windows(
-    texts: list[str], tokenizer: PreTrainedTokenizerBase, size: int, stride: int
+    texts: list[str], tokenizer: PreTrainedTokenizerBase, size: int, stride: int | None = None
 ) -> tuple[list[str], list[int]]:
-    """Texts of more than `size` tokens as overlapping windows of `size` tokens, `stride` tokens apart (the
-    last window ends at the text's end), decoded back to text so that each is read as any text is (inside
-    the run's prompt); shorter texts stay whole. Returns the windows and, for each, the text it came from."""
-    if not 0 < stride <= size:
-        raise LoraclsError(f"--stride must be between 1 and a window's {size} tokens, not {stride}")
+    """Texts of more than `size` tokens as overlapping windows of `size` tokens, `stride` tokens apart (None:
+    half a window; beyond a window: a window, side by side; the last window ends at the text's end),
+    decoded back to text so that each is read as any text is (inside the run's prompt); shorter texts stay
+    whole. Returns the windows and, for each, the text it came from."""
+    if stride is not None and stride < 1:
+        raise LoraclsError(f"--stride must be at least 1, not {stride}")
+    stride = min(stride or max(1, size // 2), size)
     own = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
     windows, owner = [], []
     for n, (text, ids) in enumerate(zip(texts, own, strict=True)):

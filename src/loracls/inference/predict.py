@@ -19,7 +19,7 @@ from loracls.console import console, progress
 from loracls.data.labels import label_names, label_value, separator
 from loracls.data.prompts import Prompter
 from loracls.data.tables import read_labelled, read_table
-from loracls.data.tokenization import split_windows, tokenize, window_tokens
+from loracls.data.tokenization import tokenize, window_tokens
 from loracls.environment.cpu import check_int8_cpu
 from loracls.environment.devices import inference_autocast, inference_device
 from loracls.environment.micro_batch import eval_batch_size
@@ -236,21 +236,22 @@ class Classifier:
             classifier.precision, classifier.int8 = "fp32", info["int8"]
         return classifier
 
-    def encode(self, texts: list[str]) -> Dataset:
-        """The texts as the model reads them (inside the run's prompt, if any), tokenised: `input_ids`."""
+    def encode(self, texts: list[str], windows: bool = False) -> Dataset:
+        """The texts as the model reads them (inside the run's prompt, if any), tokenised: `input_ids`;
+        `windows`: a text over `max_length` tokens as `long_texts` reads it, a row per window (`owner`)."""
         table = pd.DataFrame({"text": texts, "label": self.labels[0]})
-        return tokenize(table, self.tokenizer, self.max_length, {self.labels[0]: 0}, self.prompter)
+        how = self.long_texts if windows else "cut"
+        label = {self.labels[0]: 0}
+        return tokenize(table, self.tokenizer, self.max_length, label, self.prompter, None, how, self.stride)
 
     def predict_probs(self, texts: list[str], stage: str | None = None) -> np.ndarray:
         """Class probabilities of `texts`, in their order; a text over `max_length` tokens as `long_texts`
         says."""
         if self.long_texts == "cut":
             return self.probs(self.encode(texts), stage)
-        size = self.window()
-        stride = min(self.stride or max(1, size // 2), size)
-        windows, owner = split_windows(texts, self.tokenizer, size, stride)
-        probs = self.probs(self.encode(windows), stage, calibrated=False)
-        probs = combine_windows(probs, np.array(owner), self.long_texts, self.thresholds is None)
+        windows = self.encode(texts, windows=True)
+        probs = self.probs(windows, stage, calibrated=False)  # the temperature applies to each text's
+        probs = combine_windows(probs, np.array(windows["owner"]), self.long_texts, self.thresholds is None)
         return with_temperature(probs, self.temperature) if self.thresholds is None else probs
 
     def window(self) -> int:
