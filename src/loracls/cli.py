@@ -215,7 +215,8 @@ def predict(
         if input is not None:
             check_source(input)
         quiet_libraries()
-        from loracls.inference.predict import Classifier, prediction_lines, read_texts, write_predictions
+        from loracls.inference.predict import Classifier
+        from loracls.inference.predictions import prediction_lines, read_texts, write_predictions
 
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
         if long_texts is not None:

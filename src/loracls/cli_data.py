@@ -183,7 +183,8 @@ def select(
         check_output(out, (".csv", ".jsonl"))
         quiet_libraries()
         from loracls.inference import select as chooser
-        from loracls.inference.predict import Classifier, read_texts
+        from loracls.inference.predict import Classifier
+        from loracls.inference.predictions import read_texts
 
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished)
         column = text_column or classifier.text_column
