@@ -397,6 +397,11 @@ class Prompter:
             )
         return rendered
 
+    def lists_labels(self, order: list[str]) -> bool:
+        """Whether the prompt lists the labels, so that reversing `order` changes it (the baseline's bias
+        check reads the texts again only then)."""
+        return self.render("\0", order) != self.render("\0", order[::-1])
+
     def to_json(self) -> dict:
         """The prompt as an export records it: the model reads `prefix + text + suffix`, tokenised (with the
         tokenizer's special tokens unless `chat`: the chat template writes its own), then `answer_start`

@@ -160,7 +160,8 @@ def run_baseline(
 
     index, count = (0, 1) if processes is None else (processes.process_index, processes.num_processes)
 
-    def log_probs(inputs: list[str], label_order: list[str], stage: Stage) -> np.ndarray:
+    def log_probs(inputs: list[str], label_order: list[str], stage: Stage, at: str) -> np.ndarray:
+        stage.update(at=at)
         prompts = prompter.encode(inputs, label_order)
         if count == 1:
             return label_log_probs(model, tokenizer, prompts, token_lists, batch_size, stage.advance)
@@ -171,24 +172,18 @@ def run_baseline(
         scores[mine] = label_log_probs(model, tokenizer, mine_prompts, token_lists, batch_size, stage.advance)
         return gather_rows(scores, mine)
 
-    # a prompt that does not list the labels reads the same in either order: its bias check is the reading
-    listed = prompter.render("\0", order) != prompter.render("\0", order[::-1])
-    readings = 2 if listed else 1
-    share = readings * len(range(index, len(texts), count)) + len(range(index, len(CONTENT_FREE), count))
+    listed = prompter.lists_labels(order)
+    share = (1 + listed) * len(range(index, len(texts), count)) + len(range(index, len(CONTENT_FREE), count))
     with progress("baseline", share, "prompts") as stage:
-        stage.update(at="the texts")
-        scores = log_probs(texts, order, stage)
-        stage.update(at="calibration (content-free inputs)")
-        content_free = softmax(log_probs(list(CONTENT_FREE), order, stage)).mean(axis=0)
-        swapped = scores
-        if listed:
-            stage.update(at="the label order reversed")
-            swapped = log_probs(texts, order[::-1], stage)
+        scores = log_probs(texts, order, stage, "the texts")
+        content_free = log_probs(list(CONTENT_FREE), order, stage, "calibration (content-free inputs)")
+        content_free = softmax(content_free).mean(axis=0)
+        swapped = log_probs(texts, order[::-1], stage, "the label order reversed") if listed else scores
     probs = softmax(scores)
     calibrated = calibrate(probs, content_free)
     headline = "calibrated" if cfg.calibrate else "uncalibrated"
-    results = three_readings(table, labels, probs, calibrated, content_free, softmax(swapped), order[::-1])
-    results["swapped_order"]["listed"] = listed
+    swapped = softmax(swapped)
+    results = three_readings(table, labels, probs, calibrated, content_free, swapped, order[::-1], listed)
     metrics = {
         **{key: results[headline][key] for key in ("accuracy", "macro_f1", "pred_distribution")},
         "headline": headline,
@@ -217,16 +212,17 @@ def three_readings(
     content_free: np.ndarray,
     swapped: np.ndarray,
     swapped_order: list[str],
+    listed: bool = True,
 ) -> dict:
     """The baseline's figures as scored, as calibrated on the content-free inputs, and with the label order
-    reversed (the bias check)."""
+    reversed (the bias check; `listed` False: the prompt lists no labels, and that reading is the first)."""
     return {
         "uncalibrated": summary(table, probs, labels),
         "calibrated": {
             **summary(table, calibrated, labels),
             "content_free_probs": dict(zip(labels, content_free.tolist(), strict=True)),
         },
-        "swapped_order": {**summary(table, swapped, labels), "label_order": swapped_order},
+        "swapped_order": {**summary(table, swapped, labels), "label_order": swapped_order, "listed": listed},
     }
 
 
