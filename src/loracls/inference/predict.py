@@ -318,12 +318,9 @@ class Classifier:
         return records
 
 
-LONG_TEXTS = {
-    "cut": "cut at max_length tokens",
-    "mean": "overlapping windows, their probabilities averaged",
-    "max": "overlapping windows, each label's highest probability",
-}
-"""How a text over the run's `max_length` tokens is read (`Classifier.long_texts`)."""
+LONG_TEXTS = ("cut", "mean", "max")
+"""How a text over the run's `max_length` tokens may be read (`Classifier.long_texts`; the config's
+`long_texts`, and `--long-texts`' `cli_options.LongTexts`, offer the same)."""
 
 
 MULTI_LABEL_CONFIDENCE = (
