@@ -53,3 +53,30 @@ def test_eval_batches_are_sorted_by_length():
     lengths = [5, 1, 9, 3, 7]
     batches = LengthGroupedBatches(lengths, batch_size=2, shuffle=False).batches()
     assert batches == [[1, 3], [0, 4], [2]]
+
+
+def shard(sampler: LengthGroupedBatches, processes: int) -> list[list[list[int]]]:
+    """What each of `processes` processes trains on, as accelerate shards the sampler (even_batches)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    return [
+        list(BatchSamplerShard(sampler, processes, rank, split_batches=False)) for rank in range(processes)
+    ]
+
+
+def test_batches_shared_by_processes_train_every_example_once():
+    """7 batches over 2 processes: accelerate filled the last round with the epoch's first batch again."""
+    lengths = [random.Random(n).randint(1, 40) for n in range(13 * 8 + 5)]  # 14 batches of 8, the last 5
+    for processes in (2, 3, 4):
+        sampler = LengthGroupedBatches(lengths, 8, shuffle=True, seed=1, group=3, shards=processes)
+        shards = shard(sampler, processes)
+        assert len(sampler) % processes == 0 and len(sampler) == sum(len(s) for s in shards)
+        assert len({len(s) for s in shards}) == 1  # every process the same number of micro-batches
+        seen = sorted(i for s in shards for batch in s for i in batch)
+        assert seen == list(range(len(lengths))), processes  # once each: nothing repeated, nothing lost
+    unsplit = LengthGroupedBatches(lengths, 8, shuffle=True, seed=1, group=3)
+    assert len(unsplit) == 14 and [len(b) for b in unsplit] == [len(b) for b in unsplit.batches()]
+    repeated = sorted(i for s in shard(unsplit, 3) for batch in s for i in batch)
+    assert len(repeated) > len(lengths)  # what happened before: the last round filled from the start
+    singles = LengthGroupedBatches([3, 1, 2], 1, shuffle=True, shards=2)
+    assert len(singles) == 3 == len(singles.batches())  # single examples cannot be halved

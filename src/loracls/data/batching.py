@@ -26,7 +26,9 @@ class LengthGroupedBatches(Sampler[list[int]]):
     original order with the indices.
 
     The batch size is kept as `size`, not `batch_size`: accelerate's multi-process sharding would read a
-    `batch_size` as "every batch is full" and skip the one short batch wherever shuffling put it.
+    `batch_size` as "every batch is full" and skip the one short batch wherever shuffling put it. With
+    `shards` processes taking every `shards`-th batch, training batches are evened (`evened`) so that none is
+    trained twice an epoch.
     """
 
     def __init__(
@@ -37,9 +39,10 @@ class LengthGroupedBatches(Sampler[list[int]]):
         seed: int = 0,
         group: int = 50,
         labels: list[str] | None = None,
+        shards: int = 1,
     ):
         self.lengths, self.labels, self.size, self.group = lengths, labels, batch_size, group
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch, self.shards = shuffle, seed, 0, shards
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -59,7 +62,7 @@ class LengthGroupedBatches(Sampler[list[int]]):
                 chunk = self.interleave_labels(chunk)
             out += [chunk[i : i + self.size] for i in range(0, len(chunk), self.size)]
         rng.shuffle(out)
-        return out
+        return evened(out, self.shards)
 
     def interleave_labels(self, chunk: list[int]) -> list[int]:
         """`chunk` (sorted by length, longest first) reordered by each example's rank within its label."""
@@ -73,7 +76,26 @@ class LengthGroupedBatches(Sampler[list[int]]):
         return iter(self.batches())
 
     def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.size)
+        count = math.ceil(len(self.lengths) / self.size)
+        if not self.shuffle or count % self.shards == 0:
+            return count
+        return min(count + self.shards - count % self.shards, len(self.lengths))  # as `evened` splits
+
+
+def evened(batches: list[list[int]], shards: int) -> list[list[int]]:
+    """`batches` with the largest halved until `shards` divides their number (none split when it already
+    does). Each of `shards` processes takes every `shards`-th batch; when their number does not divide,
+    accelerate fills the last round from the epoch's first batches (`even_batches`), and those examples
+    train twice an epoch. Halving keeps every example once; only single-example batches cannot be halved,
+    and then the last round is still filled up."""
+    batches = list(batches)
+    while len(batches) % shards:
+        largest = max(range(len(batches)), key=lambda n: len(batches[n]))
+        if len(batches[largest]) < 2:
+            break
+        half = len(batches[largest]) // 2
+        batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
+    return batches
 
 
 def make_loader(
@@ -85,16 +107,18 @@ def make_loader(
     generator: torch.Generator | None = None,
     group: int = 50,
     balance_labels: bool = False,
+    shards: int = 1,
 ) -> DataLoader:
     """A loader over length-grouped batches (`LengthGroupedBatches`), padded per batch to its longest text.
 
     `balance_labels` keeps the label mix in every training batch (the dataset's `labels`; a multi-label
     target counts as one label per combination). `generator` gives the loader its own RNG for the seed it
     draws per iterator; without one that draw comes from torch's global RNG, which dropout also uses.
+    `shards`: the processes that share the training batches (`evened`).
     """
     lengths = [len(x) for x in dataset["input_ids"]]
     labels = [str(y) for y in dataset["labels"]] if balance_labels and shuffle else None
-    sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed, group, labels)
+    sampler = LengthGroupedBatches(lengths, batch_size, shuffle, seed, group, labels, shards)
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=DataCollatorWithPadding(tokenizer), generator=generator
     )

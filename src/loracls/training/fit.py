@@ -96,9 +96,9 @@ def fit(
     With `resume`, the adapter, optimizer, scheduler, RNG states and data position come from that checkpoint,
     and training continues as if it had never stopped.
     """
-    loader = training_loader(train_set, tokenizer, cfg)
+    loader = training_loader(train_set, tokenizer, cfg, accelerator.num_processes)
     sampler, accum = loader.batch_sampler, accumulation(cfg)
-    # each process takes every n-th batch (the last round is filled up from the start by accelerate)
+    # each process takes every n-th batch (a number of batches that n divides: `batching.evened`)
     steps_per_epoch = math.ceil(math.ceil(len(loader) / accelerator.num_processes) / accum)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch), cfg.min_steps)
     optimizer, scheduler, factor = optimizer_and_schedule(model, cfg, total_steps)
@@ -204,8 +204,11 @@ def plan_line(cfg: TrainConfig, examples: int, steps_per_epoch: int, total_steps
     )
 
 
-def training_loader(train_set: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig):
-    """Length-grouped, label-balanced training micro-batches, reshuffled per epoch."""
+def training_loader(
+    train_set: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig, processes: int = 1
+):
+    """Length-grouped, label-balanced training micro-batches, reshuffled per epoch, as many as `processes`
+    divides."""
     # the loader's own generator: a resumed run's fresh iterator must not draw from the global RNG (dropout's)
     generator = torch.Generator()
     return make_loader(
@@ -217,6 +220,7 @@ def training_loader(train_set: Dataset, tokenizer: PreTrainedTokenizerBase, cfg:
         generator=generator,
         group=cfg.length_grouping,
         balance_labels=cfg.balance_labels,
+        shards=processes,
     )
 
 
