@@ -44,7 +44,8 @@ def default_text(value) -> str:
 
 
 def config_section() -> list[str]:
-    from loracls.config import GROUPS, TrainConfig, field_docs
+    from loracls.cli_options import GROUPS
+    from loracls.config import TrainConfig, field_docs
 
     docs = field_docs()
     by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}

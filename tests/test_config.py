@@ -124,7 +124,7 @@ def test_every_accelerate_config_is_one_accelerate_reads(path):
 
 def test_train_help_shows_types_defaults_and_groups():
     """`loracls train --help` listed 60 options in one block, every one typed <str>, no default shown."""
-    from loracls.config import GROUPS
+    from loracls.cli_options import GROUPS
     from tests.conftest import invoke
 
     result = invoke("train", "--help")

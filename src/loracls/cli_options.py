@@ -21,10 +21,48 @@ from rich.cells import cell_len
 from rich.console import Console
 from typer.core import TyperCommand
 
-from loracls.config import GROUPS, TrainConfig, field_docs, field_types
+from loracls.config import TrainConfig, field_docs, field_types
 from loracls.console import interrupted_at
 from loracls.environment.doctor import package_version
 from loracls.errors import Interrupted, LoraclsError
+
+GROUPS = {
+    "Model and data": [
+        *("model", "data", "val", "test", "text_column", "label_column", "multi_label", "label_separator"),
+        *("label_type", "merge_label_case"),
+        *("val_fraction", "test_fraction", "dedup", "max_train_examples", "train_fraction"),
+        *("max_eval_examples", "max_length", "long_texts", "window_stride"),
+    ],
+    "LoRA, head and objective": [
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "target_modules",
+        "allow_few_targets",
+        "head_init",
+        *("objective", "response_column"),
+    ],
+    "Optimisation": [
+        *("epochs", "min_steps", "lr", "batch_size", "weight_decay", "warmup_ratio", "warmup_steps"),
+        *("schedule", "decay_ratio", "extend_up_to", "max_grad_norm", "class_weights", "seed"),
+    ],
+    "Validation, checkpoints, logs": [
+        *("eval_every", "metric", "temperature_scaling", "early_stopping_patience", "log_every"),
+        *("save_every", "keep_checkpoints"),
+        *("track", "out"),
+    ],
+    "Prompt and baseline": [
+        *("prompt", "prompt_sample", "prompt_budget", "baseline", "baseline_shots", "verbalizers"),
+        *("label_descriptions", "prompt_template", "prompt_instruction"),
+        *("label_order", "calibrate", "chat_template"),
+    ],
+    "Speed and memory": [
+        *("micro_batch_size", "length_grouping", "balance_labels", "precision", "gradient_checkpointing"),
+        *("attention", "compile", "quantize"),
+    ],
+    "Safety": ["skip_nonfinite", "smoke_test", "trust_remote_code", "allow_pickle"],
+}
+"""The config keys by topic, in the order `loracls train --help` and the README list them."""
 
 HELP_ALL = "loracls.help_all"
 """Set in the context's `meta` by `--help-all`: `HelpCommand` then prints every key's whole docstring."""
@@ -70,7 +108,7 @@ def show_all_help(ctx: typer.Context, value: bool) -> None:
 class HelpCommand(TyperCommand):
     """A command whose help is plain text that fits the terminal (the app sets `rich_markup_mode=None`):
     arguments, the command's own options, then any config keys (`config_options`) under the headings of
-    `config.GROUPS`, each with the first sentence of its docstring (all of it with `--help-all`) and its
+    `GROUPS`, each with the first sentence of its docstring (all of it with `--help-all`) and its
     default.
 
     typer's rich panels put a flag pair such as `--gradient-checkpointing / --no-gradient-checkpointing`
@@ -127,7 +165,7 @@ def wrap(text: str, width: int) -> list[str]:
 
 def config_options(command=None, *, only: type | None = None, names: dict[str, list[str]] | None = None):
     """Give `command` one `--option` per config field (of `TrainConfig`, or of `only`), typed as the field,
-    its help the field's docstring, grouped by topic (`config.GROUPS`), and `--help-all`. Register the
+    its help the field's docstring, grouped by topic (`GROUPS`), and `--help-all`. Register the
     command with `cls=HelpCommand`, which prints them.
 
     The options default to None, meaning "not given", so a YAML config and `key=value` overrides can fill
@@ -203,7 +241,9 @@ class LongTexts(str, enum.Enum):
 
 
 STRIDE = typer.Option(
-    help="--long-texts mean/max: tokens between two windows' starts (default: half a window)", min=1
+    help="Windows (--long-texts mean/max, or a run that reads in windows): tokens between two windows' "
+    "starts (default: the run's window_stride, else half a window)",
+    min=1,
 )
 MIN_CONFIDENCE = typer.Option(
     help="Single-label: give no label (abstained) where the top probability is below this; the run's report "
