@@ -2,7 +2,9 @@
 and combines the windows' probabilities (`combine_windows`); shorter texts are read as before."""
 
 import json
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from loracls.data.tokenization import split_windows
 from loracls.errors import LoraclsError
 from loracls.inference.predict import Classifier, combine_windows
 from tests.conftest import FAST, char_tokenizer, invoke, toy_reviews
+from tests.test_serve import server
 
 
 def test_a_long_text_becomes_overlapping_windows_that_end_at_its_end():
@@ -80,16 +83,24 @@ def test_predict_and_eval_read_long_texts_in_windows(quick_run):
     assert (quick_run / "eval" / "test-windows-mean" / "metrics.json").is_file()
     result = invoke("predict", quick_run, "x", "--long-texts", "all")
     assert result.exit_code != 0 and "'all' is not one of" in result.output
+    result = invoke("predict", quick_run, "x", "--stride", "8")  # the run cuts: a stride spaces nothing
+    assert result.exit_code != 0 and "add --long-texts mean" in result.output
 
 
-def test_a_run_validates_and_tests_long_texts_in_windows_and_its_readers_follow(tiny_models, tmp_path):
+def windows_run(model: str, tmp_path) -> Path:
+    """A tiny run of max_length 12 that validates and tests in windows (`long_texts: mean`)."""
     data = tmp_path / "reviews.csv"
     toy_reviews(120).to_csv(data, index=False)
     out = tmp_path / "run"
     args = ("--no-baseline", "--head-init", "zero", "--max-length", "12", "--long-texts", "mean")
     fast = [a for a in FAST if a not in ("--max-length", "64")]
-    result = invoke("train", "--model", tiny_models["llama"], "--data", data, "--out", out, *fast, *args)
+    result = invoke("train", "--model", model, "--data", data, "--out", out, *fast, *args)
     assert result.exit_code == 0, result.output
+    return out
+
+
+def test_a_run_validates_and_tests_long_texts_in_windows_and_its_readers_follow(tiny_models, tmp_path):
+    out = windows_run(tiny_models["llama"], tmp_path)
     metrics = json.loads((out / "metrics.json").read_text())
     test = (out / "data" / "test.jsonl").read_text().splitlines()
     assert metrics["test"]["n"] == len(test)  # a row per text, whatever its windows
@@ -104,6 +115,26 @@ def test_a_run_validates_and_tests_long_texts_in_windows_and_its_readers_follow(
     assert result.exit_code == 0, result.output
     again = json.loads((out / "eval" / "test" / "metrics.json").read_text())
     assert again["accuracy"] == metrics["test"]["accuracy"]  # eval reproduces the run's windows
+    assert invoke("eval", out, "--stride", "3").exit_code == 0  # the run's windows, 3 tokens apart
+    assert (out / "eval" / "test-windows-mean-3" / "metrics.json").is_file()
     exported = tmp_path / "export"
     assert invoke("export", out, "--out", exported).exit_code == 0
     assert Classifier.load(exported).long_texts == "mean"
+
+
+def test_serve_reads_long_texts_as_the_run_does(tiny_models, tmp_path):
+    run = windows_run(tiny_models["qwen3"], tmp_path)
+    texts = ["good", "the book was " * 6 + "great", "bad " * 9]
+    classifier = Classifier.load(run)
+    classifier.precision = "fp32"
+    windowed = classifier.predict_probs(texts)
+    encoded = classifier.encode(texts, windows=True)
+    assert len(encoded) > len(texts)  # the long ones are read in windows
+    cut = Classifier.load(run)
+    cut.precision = "fp32"
+    assert cut.read_long_texts("cut", None)
+    assert np.abs(cut.predict_probs(texts) - windowed).max() > 1e-4  # the windows change the answer
+    with server(run, "--precision", "fp32") as (url, _):
+        body = httpx.post(f"{url}/classify", json={"input": texts}).json()
+    np.testing.assert_allclose([item["probs"] for item in body["data"]], windowed, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(ids) for ids in encoded["input_ids"])  # every window

@@ -218,7 +218,7 @@ def test_the_worker_answers_a_batch_of_several_classifiers_in_mixed_passes(runs,
     batcher = Batcher(lambda: shared, Metrics())
     batcher.shared, batcher.classifiers = shared, shared.classifiers
     calls, mixed = [], shared.probs_mixed
-    monkeypatch.setattr(shared, "probs_mixed", lambda *args: calls.append(args) or mixed(*args))
+    monkeypatch.setattr(shared, "probs_mixed", lambda *a, **k: calls.append(a) or mixed(*a, **k))
     jobs = [
         Job(TEXTS[:2], None, print, "topic"),
         Job(TEXTS, None, print, "sentiment"),

@@ -219,8 +219,7 @@ def predict(
         from loracls.inference.predictions import prediction_lines, read_texts, write_predictions
 
         classifier = Classifier.load(path, allow_unfinished=allow_unfinished, int8=int8)
-        if long_texts is not None:
-            classifier.long_texts, classifier.stride = long_texts.value, stride
+        classifier.read_long_texts(long_texts.value if long_texts else None, stride)
         if classifier.int8:
             console.print(int8_line(classifier.int8), soft_wrap=True)
         column = text_column or classifier.text_column

@@ -228,27 +228,33 @@ class Batcher:
 
     def classify(self, jobs: list[Job], encoded: Dataset | None = None) -> list[list[dict]]:
         """Each job's records: per classifier, one encoding of all its jobs' texts (`encoded`: one job's,
-        done already); then one forward pass (in passes of the classifier's batch size) over them, or with
-        several classifiers of one base, passes that mix their rows (`ClassifierSet.probs_mixed`)."""
+        done already; a text over `max_length` as the run reads it: cut, or a row per window); then one
+        forward pass (in passes of the classifier's batch size) over them, or with several classifiers of
+        one base, passes that mix their rows (`ClassifierSet.probs_mixed`); then each text's windows
+        combined (`Classifier.text_probs`)."""
         groups: dict[str | None, list[Job]] = {}
         for job in jobs:
             groups.setdefault(job.classifier, []).append(job)
         encodings = {
             name: encoded
             if encoded is not None
-            else self.of(group[0]).encode([t for j in group for t in j.texts])
+            else self.of(group[0]).encode([t for j in group for t in j.texts], windows=True)
             for name, group in groups.items()
         }
         if self.shared is not None and len(groups) > 1:
             ids = {name: encoding["input_ids"] for name, encoding in encodings.items()}
-            probs = self.shared.probs_mixed(ids, self.of(jobs[0]).batch_size)
+            rows = self.shared.probs_mixed(ids, self.of(jobs[0]).batch_size, calibrated=False)
         else:
-            probs = {name: self.of(group[0]).probs(encodings[name]) for name, group in groups.items()}
+            rows = {
+                name: self.of(group[0]).probs(encodings[name], calibrated=False)
+                for name, group in groups.items()
+            }
+        probs = {
+            name: self.of(group[0]).text_probs(rows[name], encodings[name]) for name, group in groups.items()
+        }
         results: dict[int, list[dict]] = {}
         for name, group in groups.items():
-            tokens = [
-                len(ids) for ids in encodings[name]["input_ids"]
-            ]  # what the model read, prompt included
+            tokens = tokens_read(encodings[name], sum(len(job.texts) for job in group))
             start = 0
             for job in group:
                 end = start + len(job.texts)
@@ -259,7 +265,7 @@ class Batcher:
     def classify_alone(self, job: Job) -> list[dict] | BaseException:
         """One job's records, or its own error: a text the tokenizer refuses is named (422)."""
         try:
-            encoded = self.of(job).encode(job.texts)
+            encoded = self.of(job).encode(job.texts, windows=True)
         except Exception:  # noqa: BLE001 - found and named below
             return self.encoding_error(job)
         try:
@@ -332,3 +338,11 @@ class Batcher:
                 held.append(job)
         for job in held:
             self.finish(job, error)
+
+
+def tokens_read(encoded: Dataset, texts: int) -> list[int]:
+    """The tokens the model read of each of `texts` texts, prompt included: its row's, or its windows'."""
+    lengths = [len(ids) for ids in encoded["input_ids"]]
+    if "owner" not in encoded.column_names:
+        return lengths
+    return [int(n) for n in np.bincount(encoded["owner"], weights=lengths, minlength=texts)]

@@ -118,6 +118,22 @@ class Classifier:
         if self.long_texts not in LONG_TEXTS:
             raise LoraclsError(f"long texts are read as one of {list(LONG_TEXTS)}, not {self.long_texts!r}")
 
+    def read_long_texts(self, how: str | None, stride: int | None) -> bool:
+        """Read texts over `max_length` as `how` (`LONG_TEXTS`), windows `stride` tokens apart; None keeps
+        what the classifier does now (the run's `long_texts`, `window_stride`). A stride for a classifier
+        that cuts is refused rather than ignored. True when the reading changed."""
+        how = self.long_texts if how is None else how
+        if stride is not None and how == "cut":
+            raise LoraclsError(
+                f"--stride {stride} spaces the windows of --long-texts mean or max, and this classifier cuts "
+                "long texts: add --long-texts mean (or max)"
+            )
+        stride = self.stride if stride is None else stride
+        changed = (how, stride) != (self.long_texts, self.stride)
+        self.long_texts, self.stride = how, stride
+        self.__post_init__()
+        return changed
+
     @classmethod
     def load(
         cls,
@@ -247,11 +263,17 @@ class Classifier:
     def predict_probs(self, texts: list[str], stage: str | None = None) -> np.ndarray:
         """Class probabilities of `texts`, in their order; a text over `max_length` tokens as `long_texts`
         says."""
-        if self.long_texts == "cut":
-            return self.probs(self.encode(texts), stage)
-        windows = self.encode(texts, windows=True)
-        probs = self.probs(windows, stage, calibrated=False)  # the temperature applies to each text's
-        probs = combine_windows(probs, np.array(windows["owner"]), self.long_texts, self.thresholds is None)
+        encoded = self.encode(texts, windows=True)
+        return self.text_probs(self.probs(encoded, stage, calibrated=False), encoded)
+
+    def text_probs(self, probs: np.ndarray, encoded: Dataset) -> np.ndarray:
+        """Each text's probabilities from the uncalibrated ones of `encoded`'s rows (`encode(windows=True)`):
+        a text's windows combined as `long_texts` says (`combine_windows`), then the run's temperature (it
+        applies to a text, not to each window)."""
+        if "owner" in encoded.column_names:
+            probs = combine_windows(
+                probs, np.array(encoded["owner"]), self.long_texts, self.thresholds is None
+            )
         return with_temperature(probs, self.temperature) if self.thresholds is None else probs
 
     def window(self) -> int:
@@ -272,7 +294,7 @@ class Classifier:
             objective=self.objective,
             stage=stage,
         )
-        return with_temperature(probs, self.temperature) if self.thresholds is None else probs
+        return with_temperature(probs, self.temperature) if calibrated and self.thresholds is None else probs
 
     @torch.inference_mode()
     def generate(self, texts: list[str], max_new_tokens: int = 64, stage: str | None = None) -> list[str]:
@@ -374,9 +396,9 @@ def evaluate_run(
         table = read_labelled(data, cfg.text_column, cfg.label_column, separator(cfg))
     classifier = Classifier.load(run.path, allow_unfinished=allow_unfinished, int8=int8)
     name = (Path(data).stem if data else "test") + ("-int8" if int8 else "")
-    if long_texts is not None and (long_texts, stride) != (cfg.long_texts, cfg.window_stride):
-        classifier.long_texts, classifier.stride = long_texts, stride
-        name += "-cut" if long_texts == "cut" else f"-windows-{long_texts}"
+    if classifier.read_long_texts(long_texts, stride):
+        how = classifier.long_texts
+        name += "-cut" if how == "cut" else f"-windows-{how}" + (f"-{stride}" if stride else "")
     unknown = sorted(label_names(table["label"]) - set(classifier.labels))
     if unknown:
         raise LoraclsError(f"{data}: labels {unknown} are not among the run's labels {classifier.labels}")

@@ -190,10 +190,13 @@ class ClassifierSet:
         return cls(shared, classifiers)
 
     @torch.inference_mode()
-    def probs_mixed(self, encoded: dict[str, list[list[int]]], batch_size: int) -> dict[str, np.ndarray]:
+    def probs_mixed(
+        self, encoded: dict[str, list[list[int]]], batch_size: int, calibrated: bool = True
+    ) -> dict[str, np.ndarray]:
         """Every member's probabilities of its texts (`encoded[name]`: token ids as `Classifier.encode` gives
         them), in their order, from shared forward passes of `batch_size` rows: rows of several classifiers
-        (length-sorted) padded into one batch, each row read through its own adapter, then its own head."""
+        (length-sorted) padded into one batch, each row read through its own adapter, then its own head;
+        with each member's temperature (`calibrated`)."""
         rows = [(name, n, ids) for name, texts in encoded.items() for n, ids in enumerate(texts)]
         rows.sort(key=lambda row: len(row[2]))
         result = {name: np.zeros((len(texts), len(self.classifiers[name].labels)), np.float32)
@@ -216,7 +219,7 @@ class ClassifierSet:
                     probs = torch.sigmoid(logits) if multi else torch.softmax(logits, -1)
                     result[name][[chunk[n][1] for n in picked]] = probs.cpu().numpy()
         for name, classifier in self.classifiers.items():
-            if name in result and classifier.thresholds is None:
+            if calibrated and name in result and classifier.thresholds is None:
                 result[name] = with_temperature(result[name], classifier.temperature)
         return result
 
