@@ -21,15 +21,18 @@ class FakeClassifier:
     thresholds = [0.5, 0.5, 0.5]
     label_type = "str"
 
-    def encode(self, texts):
+    def encode(self, texts, windows=False):
         if any("\x00" in t for t in texts):
             raise ValueError("the tokenizer cannot read NUL")
         return Dataset.from_dict({"input_ids": [[1] * len(t.split()) for t in texts], "text": texts})
 
-    def probs(self, encoded):
+    def probs(self, encoded, calibrated=True):
         if "boom" in encoded["text"]:
             raise RuntimeError("a forward pass failed")
         return np.array([[0.9 if label in t else 0.1 for label in self.labels] for t in encoded["text"]])
+
+    def text_probs(self, probs, encoded):  # multi-label, short texts: as the rows are
+        return probs
 
     def predict_probs(self, texts):
         return self.probs(self.encode(texts))
