@@ -125,8 +125,12 @@ def test_a_run_validates_and_tests_long_texts_in_windows_and_its_readers_follow(
 def test_serve_reads_long_texts_as_the_run_does(tiny_models, tmp_path):
     run = windows_run(tiny_models["qwen3"], tmp_path)
     texts = ["good", "the book was " * 6 + "great", "bad " * 9]
-    classifier = Classifier.load(run)
-    classifier.precision = "fp32"
+    classifier = Classifier.load(run)  # at the run's precision (bf16 on a CPU that computes it)
+    assert classifier.temperature != 1.0  # applied once to a text, whatever its windows, as the run did:
+    scored = [json.loads(line) for line in (run / "test_predictions.jsonl").read_text().splitlines()]
+    again = classifier.predict_probs([row["text"] for row in scored])
+    np.testing.assert_allclose(again, [list(row["probabilities"].values()) for row in scored], atol=1e-4)
+    classifier.precision = "fp32"  # as the server below reads them
     windowed = classifier.predict_probs(texts)
     encoded = classifier.encode(texts, windows=True)
     assert len(encoded) > len(texts)  # the long ones are read in windows
@@ -134,10 +138,6 @@ def test_serve_reads_long_texts_as_the_run_does(tiny_models, tmp_path):
     cut.precision = "fp32"
     assert cut.read_long_texts("cut", None)
     assert np.abs(cut.predict_probs(texts) - windowed).max() > 1e-4  # the windows change the answer
-    assert classifier.temperature != 1.0  # applied once to a text, whatever its windows, as the run did:
-    scored = [json.loads(line) for line in (run / "test_predictions.jsonl").read_text().splitlines()]
-    again = classifier.predict_probs([row["text"] for row in scored])
-    np.testing.assert_allclose(again, [list(row["probabilities"].values()) for row in scored], atol=1e-4)
     with server(run, "--precision", "fp32") as (url, _):
         body = httpx.post(f"{url}/classify", json={"input": texts}).json()
     np.testing.assert_allclose([item["probs"] for item in body["data"]], windowed, atol=1e-5)

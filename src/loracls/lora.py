@@ -259,3 +259,23 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, Tar
         bias="none",
     )
     return get_peft_model(model, lora_config), plan
+
+
+def frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store the decoder layers' frozen linear weights (and biases) in `dtype`, the dtype autocast computes
+    them in; returns how many weights were cast. Under autocast every frozen fp32 weight is cast again on
+    each forward (autocast caches only the casts of trainable leaves) and the copy is held for the backward;
+    stored in `dtype` they are read as they are. The numbers do not change: autocast's cast and this one
+    round alike. LoRA's matrices, the head and anything trainable stay fp32; so do the embeddings, whose
+    lookup autocast leaves in fp32 (a 16-bit table would start the residual stream in 16 bits), and 4-bit
+    (QLoRA) layers, which are not float weights."""
+    layers = model.get_submodule(decoder_layers(model))
+    cast = 0
+    for module in layers.modules():
+        if type(module) is not torch.nn.Linear or module.weight.dtype == dtype:
+            continue
+        if any(p.requires_grad for p in module.parameters()):
+            continue
+        module.to(dtype)
+        cast += 1
+    return cast
