@@ -35,6 +35,20 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["mfu.py", "--steps", "24", "--out", "{out}/mfu.json"],
         ["mfu.py", "--steps", "2", "--out", "{out}/mfu.json"],
     ),
+    "frozen_base": (
+        ["frozen_base.py", "--out", "{out}/frozen_base_attn-qv.json"],
+        [
+            "frozen_base.py",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--out",
+            "{out}/frozen_base_attn-qv.json",
+        ],
+    ),
     "cpu_precisions": (
         ["cpu_precisions.py", "--out", "{out}"],
         ["cpu_precisions.py", "--rows", "16", "--texts", "8", "--budget", "0.05", "--out", "{out}"],

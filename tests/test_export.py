@@ -16,6 +16,7 @@ from loracls.inference.export import export_run, fold_temperature, verify_export
 from loracls.inference.export_format import EXPORT_INFO, folder_kind
 from loracls.inference.predict import Classifier, run_temperature
 from loracls.inference.serve import describe_model
+from loracls.lora import round_frozen_base
 from loracls.model import load_classifier, load_tokenizer
 from loracls.training.runs import RunFolder
 from tests.conftest import FAMILIES, FAST, invoke, toy_reviews
@@ -36,10 +37,12 @@ def exported(trained, tmp_path_factory):
 
 
 def unmerged_logits(run_dir, batch) -> torch.Tensor:
-    """The run's adapter on its base model, LoRA kept separate: the reference an export must reproduce."""
+    """The run's adapter on its base model as it trained on it (its linears rounded to `frozen_base`), LoRA
+    kept separate: the reference an export must reproduce."""
     run = RunFolder(run_dir)
     cfg = run.read_config()
     base = load_classifier(cfg.model, run.read_labels())
+    round_frozen_base(base, cfg.frozen_base)
     base.config.pad_token_id = batch["pad_token_id"]
     model = PeftModel.from_pretrained(base, str(run.best)).eval()
     with torch.no_grad():

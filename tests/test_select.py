@@ -4,7 +4,8 @@ text, and come out in the training file's layout."""
 import numpy as np
 import pandas as pd
 
-from loracls.inference.select import choose, uncertainty
+from loracls.inference.predict import Classifier
+from loracls.inference.select import CANDIDATES, choose, uncertainty
 from loracls.training.runs import RunFolder
 from tests.conftest import invoke, toy_reviews
 
@@ -31,8 +32,9 @@ def test_the_chosen_spread_over_clusters_where_the_least_sure_alone_would_not():
 
 def test_the_command_writes_the_unsure_texts_to_label_and_leaves_out_what_the_run_holds(quick_run, tmp_path):
     known = RunFolder(quick_run).read_split("train")["text"].tolist()[:3]
-    fresh = toy_reviews(60, seed=7)["text"].tolist()
-    pool = pd.DataFrame({"ticket": range(66), "text": [*fresh, *known, fresh[0], "", fresh[1]]})
+    fresh = toy_reviews(120, seed=7)["text"].drop_duplicates().tolist()
+    rows = [*fresh, *known, fresh[0], "", fresh[1]]
+    pool = pd.DataFrame({"ticket": range(len(rows)), "text": rows})
     pool.to_csv(tmp_path / "pool.csv", index=False)
     out = tmp_path / "next.csv"
     result = invoke("select", quick_run, "--pool", tmp_path / "pool.csv", "--n", "5", "--out", out)
@@ -45,9 +47,11 @@ def test_the_command_writes_the_unsure_texts_to_label_and_leaves_out_what_the_ru
     assert set(chosen["predicted"]) <= {"positive", "negative"}
     for note in ("3 texts the run already trained", "1 empty texts", "2 repeated texts"):
         assert note in result.output, result.output
-    assert "chose 5 of 60 texts" in result.output and f"written to {out}" in result.output
-    pooled = float(result.output.split("the pool's ")[1][:5])
-    assert chosen["uncertainty"].mean() >= pooled  # the unsure ones, not any
+    assert f"chose 5 of {len(fresh)} texts" in result.output and f"written to {out}" in result.output
+    unsure = uncertainty(Classifier.load(quick_run).predict_probs(fresh))
+    assert np.allclose(chosen["uncertainty"], unsure[[fresh.index(t) for t in chosen["text"]]], atol=1e-4)
+    assert chosen["uncertainty"].min() >= np.sort(unsure)[-CANDIDATES * 5] - 1e-4  # among the least sure
+    assert chosen["uncertainty"].min() > np.median(unsure)  # the unsure ones, not any
 
 
 def test_the_least_sure_alone_with_no_diverse(quick_run, tmp_path):

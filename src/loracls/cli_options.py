@@ -58,6 +58,7 @@ GROUPS = {
     ],
     "Speed and memory": [
         *("micro_batch_size", "length_grouping", "balance_labels", "precision", "gradient_checkpointing"),
+        "frozen_base",
         *("attention", "compile", "quantize"),
     ],
     "Safety": ["skip_nonfinite", "smoke_test", "trust_remote_code", "allow_pickle"],

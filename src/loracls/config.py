@@ -229,6 +229,13 @@ class TrainConfig(PromptConfig):
     GPUs that compute it in hardware (NVIDIA Ampere+, AMD gfx908/gfx90a/gfx94x/gfx95x, RDNA 3-4), fp16 with
     loss scaling on other GPUs (V100, T4, gfx906), bf16 on CPUs with AVX-512-BF16 or AMX, else
     fp32."""
+    frozen_base: str = "auto"
+    """How the frozen base's decoder linear weights are kept. `auto`: under bf16 (fp16) autocast in bf16
+    (fp16), the numbers autocast computes with anyway, without casting every weight on every forward (faster:
+    benchmarks/README.md, "The frozen base"); else, and always under FSDP or QLoRA, in fp32. `fp32`, `bf16`,
+    `fp16`: as named. The run records what `auto` chose, and every later reading of it (the test, `predict`,
+    `eval`, `serve`, the export) rounds the base's linears alike before LoRA is merged: they all answer as
+    the model that trained."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of storing them: less memory (a larger micro-batch
     fits), about a third more compute per step."""
@@ -293,6 +300,7 @@ class TrainConfig(PromptConfig):
             "prompt_sample": self.prompt_sample >= 2,
             "prompt_budget": self.prompt_budget >= 0,
             "precision": self.precision in ("auto", "fp32", "bf16", "fp16"),
+            "frozen_base": self.frozen_base in ("auto", "fp32", "bf16", "fp16"),
             "max_train_examples": self.max_train_examples is None or self.max_train_examples >= 2,
             "max_eval_examples": self.max_eval_examples is None or self.max_eval_examples >= 2,
             "train_fraction": self.train_fraction is None or 0 < self.train_fraction <= 1,

@@ -261,20 +261,35 @@ def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, Tar
     return get_peft_model(model, lora_config), plan
 
 
-def frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype) -> int:
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""`frozen_base` values that round the base's decoder linears; `fp32`, and `auto` as a run folder from before
+the key existed reads it, leave them as loaded."""
+
+
+def round_frozen_base(model: torch.nn.Module, frozen_base: str) -> None:
+    """The base's decoder linears rounded as a run with this `frozen_base` trained on them, kept in fp32:
+    LoRA then merges into exactly the weights it was trained against. A base just loaded (its weights not yet
+    frozen) is rounded alike."""
+    dtype = FROZEN_DTYPES.get(frozen_base)
+    if dtype is not None:
+        frozen_linears_in(model, dtype, unfrozen=True)
+        frozen_linears_in(model, torch.float32, unfrozen=True)
+
+
+def frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype, unfrozen: bool = False) -> int:
     """Store the decoder layers' frozen linear weights (and biases) in `dtype`, the dtype autocast computes
     them in; returns how many weights were cast. Under autocast every frozen fp32 weight is cast again on
     each forward (autocast caches only the casts of trainable leaves) and the copy is held for the backward;
     stored in `dtype` they are read as they are. The numbers do not change: autocast's cast and this one
     round alike. LoRA's matrices, the head and anything trainable stay fp32; so do the embeddings, whose
     lookup autocast leaves in fp32 (a 16-bit table would start the residual stream in 16 bits), and 4-bit
-    (QLoRA) layers, which are not float weights."""
+    (QLoRA) layers, which are not float weights. `unfrozen`: also linears whose weights require grad."""
     layers = model.get_submodule(decoder_layers(model))
     cast = 0
-    for module in layers.modules():
-        if type(module) is not torch.nn.Linear or module.weight.dtype == dtype:
+    for name, module in layers.named_modules():
+        if type(module) is not torch.nn.Linear or module.weight.dtype == dtype or ".lora_" in f".{name}":
             continue
-        if any(p.requires_grad for p in module.parameters()):
+        if not unfrozen and any(p.requires_grad for p in module.parameters()):
             continue
         module.to(dtype)
         cast += 1

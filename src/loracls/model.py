@@ -222,9 +222,9 @@ def fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> list[str]:
 
 
 BASE_DTYPE = torch.float32
-"""The dtype the frozen base weights are loaded in, on every device (mixed precision casts per matmul);
-`doctor`'s memory planner counts them at this width. A 16-bit base would halve weight memory on a GPU; it
-stays fp32 until a GPU run has measured what that does to accuracy."""
+"""The dtype the frozen base weights are loaded in, on every device. Training under 16-bit autocast then keeps
+the decoder's linears in 16 bits (`TrainConfig.frozen_base`, `lora.frozen_linears_in`): the same numbers.
+The embeddings stay in this dtype: a 16-bit table would start the residual stream in 16 bits."""
 
 
 def quantized_compute_dtype(mixed_precision: str) -> torch.dtype:

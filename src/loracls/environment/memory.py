@@ -15,8 +15,9 @@ def memory_estimate(
     """Rough per-device training memory in GiB for LoRA (attn-qv, r=8) on `model`, three ways: `lora` (the
     whole base on every device, DDP), `qlora` (decoder linear layers in 4-bit NF4, ~0.56 bytes per weight
     with its scales; the rest as the loader keeps it) and `fsdp` (base weights, LoRA and optimizer state
-    sharded over `devices`). The frozen weights count at the loader's `BASE_DTYPE` (whatever `precision`
-    the activations are computed in); `precision` sizes the activations.
+    sharded over `devices`). The frozen weights count at the loader's `BASE_DTYPE`, except that under 16-bit
+    `precision` plain LoRA keeps the decoder's linears in 16 bits (`frozen_base: auto`); `precision` also
+    sizes the activations.
 
     Activations follow Korthikanti et al. (2022): about 34·b·s·h + 5·a·s²·b bytes per layer in 16-bit,
     twice that in fp32, per micro-batch of `batch_size` on each device. A planning figure, not a promise:
@@ -35,8 +36,9 @@ def memory_estimate(
         + 5 * config.num_attention_heads * max_length**2 * batch_size
     )
     activations = per_layer * config.num_hidden_layers * width / 2
+    sixteen = 2 if width == 2 else stored  # bytes per decoder linear weight in plain LoRA (`frozen_base`)
     weights = {
-        "lora": plan.base_parameters * stored,
+        "lora": linear * sixteen + (plan.base_parameters - linear) * stored,
         "qlora": linear * 0.5625 + (plan.base_parameters - linear) * stored,
         "fsdp": plan.base_parameters * stored / devices,
     }

@@ -27,6 +27,7 @@ from loracls.errors import LoraclsError
 from loracls.files import atomic_folder
 from loracls.inference import int8 as int8_module
 from loracls.inference.export_format import INT8_RANGES, folder_kind, read_export_info
+from loracls.lora import round_frozen_base
 from loracls.model import load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, Objective, input_prompter, objective_kind
 from loracls.training.calibration import abstains, with_temperature
@@ -51,9 +52,11 @@ def merge_adapter(
     multi_label: bool = False,
     quantize: str | None = None,
     objective: str = "head",
+    frozen_base: str = "fp32",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base classifier with a LoRA adapter (and trained head) merged in, and the adapter's tokenizer;
-    with `objective="lm"` the base causal LM with the adapter merged in.
+    with `objective="lm"` the base causal LM with the adapter merged in. The base's linears are rounded as
+    the run's `frozen_base` trained on them first (`round_frozen_base`).
 
     With `quantize` (a QLoRA run read back as it was scored), the base loads in 4-bit as in training and LoRA
     stays unmerged: merging into NF4 weights would re-quantise LoRA's update, a third model that neither
@@ -70,6 +73,8 @@ def merge_adapter(
         quantize=quantize,
     )
     base.config.pad_token_id = tokenizer.pad_token_id
+    if not quantize:
+        round_frozen_base(base, frozen_base)
     model = PeftModel.from_pretrained(base, str(adapter))
     return (model if quantize else model.merge_and_unload()), tokenizer
 
@@ -187,6 +192,7 @@ class Classifier:
             cfg.multi_label,
             quantize,
             cfg.objective,
+            cfg.frozen_base,
         )
         if not quantize:  # a 4-bit model stays where bitsandbytes put it
             model = model.to(device or inference_device())
@@ -226,7 +232,12 @@ class Classifier:
         else:
             multi_label = info.get("thresholds") is not None
             model, tokenizer = merge_adapter(
-                info["base_model"], path, info["labels"], multi_label=multi_label, objective=objective
+                info["base_model"],
+                path,
+                info["labels"],
+                multi_label=multi_label,
+                objective=objective,
+                frozen_base=info.get("frozen_base", "fp32"),
             )
         prompter = None
         if info.get("prompt"):

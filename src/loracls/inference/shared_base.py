@@ -27,6 +27,7 @@ from loracls.environment.micro_batch import eval_batch_size
 from loracls.errors import LoraclsError
 from loracls.inference.export_format import folder_kind, read_export_info
 from loracls.inference.predict import Classifier, run_temperature, run_thresholds
+from loracls.lora import FROZEN_DTYPES, round_frozen_base
 from loracls.model import head_name, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, input_prompter, objective_kind
 from loracls.training.calibration import with_temperature
@@ -54,6 +55,8 @@ class Member:
     """The run's temperature (`predict.run_temperature`), applied to a single-label member's probabilities."""
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    frozen_base: str = "fp32"
+    """How the base's linears were rounded in training (`TrainConfig.frozen_base`): the shared base is too."""
 
 
 def read_member(name: str, path: Path, allow_unfinished: bool = False) -> Member:
@@ -72,6 +75,7 @@ def read_member(name: str, path: Path, allow_unfinished: bool = False) -> Member
             name, path, run.best, cfg.model, labels, cfg.max_length, eval_batch_size(cfg.micro_batch_size),
             run_thresholds(run, labels) if cfg.multi_label else None, cfg.label_type, None, cfg,
             run_temperature(run), cfg.trust_remote_code, cfg.allow_pickle,
+            cfg.frozen_base if cfg.frozen_base in FROZEN_DTYPES else "fp32",
         )  # fmt: skip
     else:
         info = read_export_info(path)
@@ -85,7 +89,7 @@ def read_member(name: str, path: Path, allow_unfinished: bool = False) -> Member
         member = Member(
             name, path, path, info["base_model"], info["labels"], info["max_length"], info["batch_size"],
             info.get("thresholds"), info.get("label_type", "str"), info.get("prompt"), None,
-            info.get("temperature", 1.0),
+            info.get("temperature", 1.0), frozen_base=info.get("frozen_base", "fp32"),
         )  # fmt: skip
     if objective != "head":
         refuse(name, path, f"objective: {objective} scores with the LM head, not a classification head")
@@ -99,13 +103,21 @@ def refuse(name: str, path: Path, why: str) -> None:
 
 
 def check_same_base(members: list[Member]) -> str:
-    """The one base model every member was trained on (as a resolved path or Hub id); refused otherwise."""
+    """The one base model every member was trained on (as a resolved path or Hub id), its linears rounded
+    alike (`frozen_base`); refused otherwise."""
     bases = {m.name: str(resolve_model(m.base_model)) for m in members}
     if len(set(bases.values())) > 1:
         listed = "; ".join(f"{name}: {base}" for name, base in bases.items())
         raise LoraclsError(
             f"the classifiers were trained on different base models ({listed}); one server shares one base: "
             "serve each base's classifiers in a server of their own"
+        )
+    rounded = {m.name: m.frozen_base for m in members}
+    if len(set(rounded.values())) > 1:
+        listed = "; ".join(f"{name}: {how}" for name, how in rounded.items())
+        raise LoraclsError(
+            f"the classifiers trained on the base's linears rounded differently (frozen_base {listed}); one "
+            "server shares one base: serve them in servers of their own, or retrain with one --frozen-base"
         )
     return next(iter(bases.values()))
 
@@ -153,6 +165,7 @@ class ClassifierSet:
             trust_remote_code=first.trust_remote_code,
             allow_pickle=first.allow_pickle,
         )
+        round_frozen_base(base, first.frozen_base)
         hidden = getattr(base, head_name(base)).in_features
         setattr(base, head_name(base), torch.nn.Identity())
         tokenizers = shared_tokenizers(members)

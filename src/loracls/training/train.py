@@ -34,7 +34,15 @@ from loracls.environment.doctor import check_before_training, check_quantization
 from loracls.environment.micro_batch import micro_batch_size
 from loracls.errors import Interrupted, LoraclsError
 from loracls.files import disk_full, no_space, written_file
-from loracls.lora import TargetPlan, apply_lora, targets_line, targets_table
+from loracls.lora import (
+    FROZEN_DTYPES,
+    TargetPlan,
+    apply_lora,
+    frozen_linears_in,
+    round_frozen_base,
+    targets_line,
+    targets_table,
+)
 from loracls.model import describe, load_tokenizer, resolve_model
 from loracls.objective import Objective, input_prompter, objective_kind
 from loracls.training import checkpoints
@@ -63,6 +71,29 @@ def speed_options(model: PeftModel, cfg: TrainConfig) -> None:
         layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
         for layer in max(layers, key=lambda m: sum(p.numel() for p in m.parameters())):
             layer.compile(dynamic=True)
+
+
+def store_frozen_base(model: PeftModel, cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """Resolve `frozen_base` and keep the decoder's frozen linears so: in the dtype autocast computes them in
+    (the same numbers, no cast per weight per forward), or, where the run computes otherwise (a resume on
+    another device, FSDP, which shards a layer's weights as one dtype), rounded to it and kept in fp32."""
+    with accelerator.autocast():  # what it computes in here (accelerate does not autocast fp16 on a CPU)
+        kind = accelerator.device.type
+        computes = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
+    stores = {dtype: name for name, dtype in FROZEN_DTYPES.items()}.get(computes)
+    if accelerator.is_fsdp2 or cfg.quantize:
+        stores = None
+    if cfg.frozen_base == "auto":
+        cfg.frozen_base = stores or "fp32"
+    if cfg.frozen_base not in FROZEN_DTYPES:
+        return
+    if cfg.frozen_base != stores:
+        round_frozen_base(model, cfg.frozen_base)
+        return
+    cast = frozen_linears_in(model, FROZEN_DTYPES[cfg.frozen_base])
+    console.print(
+        f"[dim]frozen base: {cast} linear weights stored in {cfg.frozen_base}, as autocast computes them[/]"
+    )
 
 
 def choose_micro_batch(
@@ -315,6 +346,7 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
     run.write_json("targets.json", plan.to_json())
     console.print(targets_table(plan, f"LoRA targets: {cfg.target_modules}"))
     console.print(targets_line(plan))
+    store_frozen_base(model, cfg, accelerator)
     speed_options(model, cfg)
     choose_micro_batch(model, train_set, tokenizer, objective, cfg, accelerator)
     if resume is None:  # resolved now, once: the prompt, the head's start, the chat template, the micro-batch
@@ -441,7 +473,12 @@ def best_model(
         return model
     model = accelerator.unwrap_model(model)
     set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
-    return model if cfg.quantize else model.merge_and_unload()
+    if cfg.quantize:
+        return model
+    frozen_linears_in(
+        model, torch.float32
+    )  # a 16-bit frozen base back in fp32 (exactly): LoRA merges in fp32,
+    return model.merge_and_unload()  # as `merge_adapter` merges it into the base rounded alike
 
 
 def print_outcome(run: RunFolder, metrics: dict) -> None:
