@@ -20,6 +20,11 @@ allocated) and the weights' bytes, with the ratios against `fp32-base`. Needs a 
 
     python benchmarks/frozen_base.py [--targets attn-qv] [--steps 12] [--rounds 2] [--out FILE]
 
+`--train N`: instead, whole `loracls train` runs on N zh-reviews (defaults but `--head-init zero
+--no-baseline`, 200 validation and test examples), `--frozen-base auto` (bf16 linears where autocast is
+bf16) against `--frozen-base fp32` (the baseline), in turns: training examples/s from each run's
+metrics.json, the process's peak resident memory, test accuracy. Writes results/frozen_base_train.json.
+
 Writes benchmarks/results/frozen_base_<targets>.json (or `--out`). On a device without bf16 it says so and
 writes nothing.
 """
@@ -28,13 +33,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, peak_memory_gb, write_result  # noqa: E402
@@ -100,6 +108,58 @@ def one_way(args: argparse.Namespace) -> dict:
     }
 
 
+def train_runs(args: argparse.Namespace) -> dict:
+    """`loracls train` on `args.train` examples with `--frozen-base auto` and `fp32`, `args.rounds` each."""
+    runs: dict[str, list[dict]] = {"auto": [], "fp32": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for way in ("fp32", "auto") if round_ % 2 == 0 else ("auto", "fp32"):
+                out = Path(tmp) / f"{way}-{round_}"
+                command = [
+                    *(str(Path(sys.executable).parent / "loracls"), "train", "--data", "zh-reviews"),
+                    *(
+                        "--out",
+                        str(out),
+                        "--max-train-examples",
+                        str(args.train),
+                        "--max-eval-examples",
+                        "200",
+                    ),
+                    *("--head-init", "zero", "--no-baseline", "--frozen-base", way, "--seed", str(round_)),
+                ]
+                with open(Path(tmp) / "log", "w+") as log:  # a file, not a pipe: a full pipe would block it
+                    child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+                    _, status, usage = os.wait4(child.pid, 0)
+                    log.seek(0)
+                    assert status == 0, log.read()[-3000:]
+                metrics = json.loads((out / "metrics.json").read_text())
+                resolved = yaml.safe_load((out / "config.yaml").read_text())["frozen_base"]
+                runs[way].append(
+                    {
+                        "frozen_base": resolved,
+                        "examples_per_s": metrics["train"]["examples_per_s"],
+                        "train_s": metrics["train"]["train_s"],
+                        "peak_rss_gb": usage.ru_maxrss / 2**20,
+                        "test_accuracy": metrics["test"]["accuracy"],
+                        "seed": round_,
+                    }
+                )
+                print(f"round {round_ + 1} {way} ({resolved}): {runs[way][-1]}", flush=True)
+    summary = {
+        way: {
+            key: statistics.median(r[key] for r in repeats)
+            for key in ("examples_per_s", "train_s", "peak_rss_gb", "test_accuracy")
+        }
+        for way, repeats in runs.items()
+    }
+    summary["auto"]["speed_over_baseline"] = (
+        summary["auto"]["examples_per_s"] / summary["fp32"]["examples_per_s"]
+    )
+    summary["auto"]["peak_over_baseline"] = summary["auto"]["peak_rss_gb"] / summary["fp32"]["peak_rss_gb"]
+    print(json.dumps(summary, indent=1))
+    return {"baseline": "fp32", "examples": args.train, "summary": summary, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,6 +173,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, help="the result file (default: results/frozen_base_TARGETS.json)"
     )
+    parser.add_argument("--train", type=int, help="whole `loracls train` runs on this many examples instead")
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # one way, in a child process
     args = parser.parse_args()
     if args.way:
@@ -121,6 +182,9 @@ def main() -> None:
     device = inference_device()
     if mixed_precision("auto", device.type) != "bf16":
         print(f"skipped: this {device.type} does not compute bf16 (auto picks fp32); nothing to compare")
+        return
+    if args.train:
+        write_result(args.out or RESULTS / "frozen_base_train.json", train_runs(args))
         return
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     for round_ in range(args.rounds):
