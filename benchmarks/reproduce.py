@@ -49,6 +49,10 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
             "{out}/frozen_base_attn-qv.json",
         ],
     ),
+    "frozen_base_train": (
+        ["frozen_base.py", "--train", "400", "--out", "{out}/frozen_base_train.json"],
+        ["frozen_base.py", "--train", "8", "--rounds", "1", "--out", "{out}/frozen_base_train.json"],
+    ),
     "cpu_precisions": (
         ["cpu_precisions.py", "--out", "{out}"],
         ["cpu_precisions.py", "--rows", "16", "--texts", "8", "--budget", "0.05", "--out", "{out}"],
