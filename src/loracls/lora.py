@@ -266,6 +266,28 @@ FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 the key existed reads it, leave them as loaded."""
 
 
+def base_rounding(frozen_base: str) -> str:
+    """What a run's `frozen_base` rounds the base's linears to: `bf16`, `fp16`, or `fp32` (also for `auto`,
+    which only a run folder from before the key was resolved holds)."""
+    return frozen_base if frozen_base in FROZEN_DTYPES else "fp32"
+
+
+def keep_frozen_base(
+    model: torch.nn.Module, frozen_base: str, computes: torch.dtype | None
+) -> tuple[str, int]:
+    """Resolve `frozen_base` (`auto`: the 16-bit dtype autocast `computes` in, else fp32) and keep the
+    decoder's frozen linears so: stored in it where autocast computes in it (the same numbers, no cast per
+    weight per forward), else rounded to it and kept in fp32 (a resume on another device; FSDP, QLoRA:
+    `computes` None). Returns the resolved value and how many weights were stored in 16 bits."""
+    stores = {dtype: name for name, dtype in FROZEN_DTYPES.items()}.get(computes)
+    if frozen_base == "auto":
+        frozen_base = stores or "fp32"
+    if frozen_base == stores:
+        return frozen_base, frozen_linears_in(model, FROZEN_DTYPES[frozen_base])
+    round_frozen_base(model, frozen_base)
+    return frozen_base, 0
+
+
 def round_frozen_base(model: torch.nn.Module, frozen_base: str) -> None:
     """The base's decoder linears rounded as a run with this `frozen_base` trained on them, kept in fp32:
     LoRA then merges into exactly the weights it was trained against. A base just loaded (its weights not yet

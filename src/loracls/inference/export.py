@@ -28,7 +28,7 @@ from loracls.inference.predict import (
     run_temperature,
     run_thresholds,
 )
-from loracls.lora import FROZEN_DTYPES
+from loracls.lora import base_rounding
 from loracls.model import head_name, load_tokenizer
 from loracls.objective import input_prompter, objective_kind
 from loracls.training.runs import RunFolder, write_json
@@ -94,7 +94,7 @@ def export_run(
                 "batch_size": eval_batch_size(cfg.micro_batch_size),
                 "text_column": cfg.text_column,
                 "base_model": cfg.model,
-                "frozen_base": cfg.frozen_base if cfg.frozen_base in FROZEN_DTYPES else "fp32",
+                "frozen_base": base_rounding(cfg.frozen_base),
                 "run": str(run.path.resolve()),
                 "run_status": run.status(),
                 "merged_into": "a full-precision base: the run trained LoRA on a 4-bit base (QLoRA)"

@@ -27,7 +27,7 @@ from loracls.environment.micro_batch import eval_batch_size
 from loracls.errors import LoraclsError
 from loracls.inference.export_format import folder_kind, read_export_info
 from loracls.inference.predict import Classifier, run_temperature, run_thresholds
-from loracls.lora import FROZEN_DTYPES, round_frozen_base
+from loracls.lora import base_rounding, round_frozen_base
 from loracls.model import head_name, load_tokenizer, resolve_model
 from loracls.objective import ClassificationHead, input_prompter, objective_kind
 from loracls.training.calibration import with_temperature
@@ -75,7 +75,7 @@ def read_member(name: str, path: Path, allow_unfinished: bool = False) -> Member
             name, path, run.best, cfg.model, labels, cfg.max_length, eval_batch_size(cfg.micro_batch_size),
             run_thresholds(run, labels) if cfg.multi_label else None, cfg.label_type, None, cfg,
             run_temperature(run), cfg.trust_remote_code, cfg.allow_pickle,
-            cfg.frozen_base if cfg.frozen_base in FROZEN_DTYPES else "fp32",
+            base_rounding(cfg.frozen_base),
         )  # fmt: skip
     else:
         info = read_export_info(path)

@@ -35,11 +35,10 @@ from loracls.environment.micro_batch import micro_batch_size
 from loracls.errors import Interrupted, LoraclsError
 from loracls.files import disk_full, no_space, written_file
 from loracls.lora import (
-    FROZEN_DTYPES,
     TargetPlan,
     apply_lora,
     frozen_linears_in,
-    round_frozen_base,
+    keep_frozen_base,
     targets_line,
     targets_table,
 )
@@ -74,26 +73,20 @@ def speed_options(model: PeftModel, cfg: TrainConfig) -> None:
 
 
 def store_frozen_base(model: PeftModel, cfg: TrainConfig, accelerator: Accelerator) -> None:
-    """Resolve `frozen_base` and keep the decoder's frozen linears so: in the dtype autocast computes them in
-    (the same numbers, no cast per weight per forward), or, where the run computes otherwise (a resume on
-    another device, FSDP, which shards a layer's weights as one dtype), rounded to it and kept in fp32."""
-    with accelerator.autocast():  # what it computes in here (accelerate does not autocast fp16 on a CPU)
+    """Resolve `frozen_base` and keep the decoder's frozen linears so (`lora.keep_frozen_base`): in the dtype
+    autocast computes here (accelerate does not autocast fp16 on a CPU); not under FSDP, which shards a
+    layer's weights as one dtype, nor QLoRA's 4-bit layers."""
+    with accelerator.autocast():
         kind = accelerator.device.type
-        computes = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.float32
-    stores = {dtype: name for name, dtype in FROZEN_DTYPES.items()}.get(computes)
+        computes = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
     if accelerator.is_fsdp2 or cfg.quantize:
-        stores = None
-    if cfg.frozen_base == "auto":
-        cfg.frozen_base = stores or "fp32"
-    if cfg.frozen_base not in FROZEN_DTYPES:
-        return
-    if cfg.frozen_base != stores:
-        round_frozen_base(model, cfg.frozen_base)
-        return
-    cast = frozen_linears_in(model, FROZEN_DTYPES[cfg.frozen_base])
-    console.print(
-        f"[dim]frozen base: {cast} linear weights stored in {cfg.frozen_base}, as autocast computes them[/]"
-    )
+        computes = None
+    cfg.frozen_base, cast = keep_frozen_base(model, cfg.frozen_base, computes)
+    if cast:
+        console.print(
+            f"[dim]frozen base: {cast} linear weights stored in {cfg.frozen_base}, "
+            "as autocast computes them[/]"
+        )
 
 
 def choose_micro_batch(
@@ -475,10 +468,10 @@ def best_model(
     set_peft_model_state_dict(model, load_peft_weights(str(run.best)))
     if cfg.quantize:
         return model
-    frozen_linears_in(
-        model, torch.float32
-    )  # a 16-bit frozen base back in fp32 (exactly): LoRA merges in fp32,
-    return model.merge_and_unload()  # as `merge_adapter` merges it into the base rounded alike
+    # a 16-bit frozen base back in fp32 (exactly): LoRA merges in fp32, as `merge_adapter` merges it into
+    # the base rounded alike
+    frozen_linears_in(model, torch.float32)
+    return model.merge_and_unload()
 
 
 def print_outcome(run: RunFolder, metrics: dict) -> None:
