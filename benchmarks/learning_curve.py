@@ -19,6 +19,7 @@ Ways:
   lm          `objective: lm`, instruction tuning: LoRA trained on the label word after the chosen prompt
               (causal-LM loss), classes scored by the label words' log-probability
   defaults    `loracls train` with nothing set (head_init as the defaults decide)
+  no-dropout  the defaults with LoRA's dropout off (`lora_dropout: 0`)
 
 KEY=VALUE pairs change every loracls way's config (e.g. `lr=1e-3`) except what the way itself sets.
 Results are written after every point, each with the commit, CPU flags and precision (`auto`'s: bf16 or
@@ -54,6 +55,7 @@ WAYS = {
     "verbalizer": {"head_init": "verbalizer"},
     "lm": {"objective": "lm"},
     "defaults": {},
+    "no-dropout": {"lora_dropout": 0.0},
 }
 """The loracls ways: config changes on top of TrainConfig's defaults (and the KEY=VALUE overrides)."""
 
