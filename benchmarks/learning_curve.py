@@ -170,7 +170,7 @@ def table(rows: list[dict]) -> str:
 def wide_table(rows: list[dict]) -> str:
     """One line per data set and size, one column per way: mean test accuracy / macro-F1, the mean
     validation macro-F1 in brackets, and the number of seeds where there are more than one."""
-    order = ("tfidf", "baseline", "today", "zero", "verbalizer", "lm", "defaults")
+    order = ("tfidf", "baseline", *WAYS)
     ways = [w for w in order if any(r["way"] == w for r in rows)]
     lines = ["| data | n | " + " | ".join(ways) + " |", "|---|---|" + "---|" * len(ways)]
     cells = {(r["data"], r["n"], r["way"]): r for r in rows}
