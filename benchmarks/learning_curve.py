@@ -20,6 +20,7 @@ Ways:
               (causal-LM loss), classes scored by the label words' log-probability
   defaults    `loracls train` with nothing set (head_init as the defaults decide)
   no-dropout  the defaults with LoRA's dropout off (`lora_dropout: 0`)
+  all-linear-r16  the defaults with LoRA on every linear layer at rank 16, alpha 32
 
 KEY=VALUE pairs change every loracls way's config (e.g. `lr=1e-3`) except what the way itself sets.
 Results are written after every point, each with the commit, CPU flags and precision (`auto`'s: bf16 or
@@ -56,6 +57,7 @@ WAYS = {
     "lm": {"objective": "lm"},
     "defaults": {},
     "no-dropout": {"lora_dropout": 0.0},
+    "all-linear-r16": {"target_modules": "all-linear", "lora_r": 16, "lora_alpha": 32},
 }
 """The loracls ways: config changes on top of TrainConfig's defaults (and the KEY=VALUE overrides)."""
 
