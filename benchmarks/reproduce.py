@@ -53,6 +53,24 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["frozen_base.py", "--train", "400", "--out", "{out}/frozen_base_train.json"],
         ["frozen_base.py", "--train", "8", "--rounds", "1", "--out", "{out}/frozen_base_train.json"],
     ),
+    "step_anatomy": (
+        ["step_anatomy.py", "--out", "{out}/step_anatomy_bf16.json"],
+        ["step_anatomy.py", "--lengths", "16", "--rows", "32", "--steps", "1", "--warmup", "1",
+         "--profile-length", "16", "--out", "{out}/step_anatomy_bf16.json"],
+    ),  # fmt: skip
+    "choose_dropout": (
+        ["learning_curve.py", "--data", "zh-reviews,en-tweets", "--sizes", "400", "--seeds", "3", "--ways",
+         "defaults,no-dropout", "--out", "{out}/choose_dropout.json", "lora_dropout=0.05"],
+        ["learning_curve.py", "--data", "zh-reviews", "--sizes", "8", "--seeds", "1", "--ways", "no-dropout",
+         "--eval", "8", "--test", "8", "--out", "{out}/choose_dropout.json", "min_steps=1", "baseline=false"],
+    ),  # fmt: skip
+    "choose_capacity": (
+        ["learning_curve.py", "--data", "en-tweets", "--sizes", "400", "--seeds", "3", "--ways",
+         "defaults,all-linear-r16", "--out", "{out}/choose_capacity_en-tweets.json", "target_modules=attn-qv"],
+        ["learning_curve.py", "--data", "en-tweets", "--sizes", "8", "--seeds", "1", "--ways", "all-linear-r16",
+         "--eval", "8", "--test", "8", "--out", "{out}/choose_capacity_en-tweets.json", "min_steps=1",
+         "baseline=false"],
+    ),  # fmt: skip
     "cpu_precisions": (
         ["cpu_precisions.py", "--out", "{out}"],
         ["cpu_precisions.py", "--rows", "16", "--texts", "8", "--budget", "0.05", "--out", "{out}"],

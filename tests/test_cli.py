@@ -325,7 +325,7 @@ def test_help_at_80_columns_names_every_option_whole(path):
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", output), name
     assert "…" not in output and "[default: (" not in output
     if path == ["train"]:
-        assert "[default: 0.001]" in output and "[default: attn-qv]" in output
+        assert "[default: 0.001]" in output and "[default: 60]" in output  # min_steps
         assert "[default: no-multi-label]" in output
         assert len(lines) < 4 * len(command.params)  # 652 lines before; the whole texts are behind --help-all
 

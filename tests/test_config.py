@@ -6,6 +6,7 @@ import yaml
 
 from loracls.config import TrainConfig, field_docs, parse_overrides
 from loracls.errors import LoraclsError
+from loracls.lora import FEW_CLASSES, resolve_capacity
 from loracls.training.runs import RunFolder
 
 
@@ -20,13 +21,28 @@ def test_defaults_follow_the_recipe():
     (benchmarks/README.md, learning curve)."""
     cfg = TrainConfig()
     assert (cfg.lr, cfg.min_steps, cfg.head_init, cfg.prompt) == (1e-3, 60, "auto", "auto")
-    assert (cfg.batch_size, cfg.micro_batch_size, cfg.lora_r, cfg.lora_alpha) == (
-        32,
-        None,
-        8,
-        16,
-    )
-    assert cfg.target_modules == "attn-qv" and cfg.max_length == 256 and cfg.precision == "auto"
+    assert (cfg.batch_size, cfg.micro_batch_size) == (32, None)
+    assert cfg.target_modules == "auto" and cfg.max_length == 256 and cfg.precision == "auto"
+
+
+@pytest.mark.parametrize(
+    ("given", "classes", "settled"),
+    [
+        ({}, 2, ("attn-qv", 8, 16)),  # the write-up's recipe for sentiment
+        ({}, FEW_CLASSES, ("attn-qv", 8, 16)),
+        ({}, FEW_CLASSES + 1, ("all-linear", 16, 32)),  # many classes: the capacity they were measured to need
+        ({"lora_r": 4}, 77, ("all-linear", 4, 8)),  # a rank the user set stays
+        ({"target_modules": "attn"}, 77, ("attn", 8, 16)),  # so do targets; the rank follows them, not auto
+        ({"lora_alpha": 8}, 2, ("attn-qv", 8, 8)),
+    ],
+)
+def test_lora_capacity_follows_the_number_of_classes(given, classes, settled):
+    cfg = TrainConfig(**given)
+    line = resolve_capacity(cfg, classes)
+    assert (cfg.target_modules, cfg.lora_r, cfg.lora_alpha) == settled
+    assert (line is None) == ("target_modules" in given)
+    if line:
+        assert f"{classes} classes" in line and settled[0] in line
 
 
 def test_retired_grad_accum_says_what_replaced_it():
@@ -133,7 +149,7 @@ def test_train_help_shows_types_defaults_and_groups():
     for group in GROUPS:
         assert group in text
     assert "<float>" in text and "<int>" in text and "[default: 0.001]" in text
-    assert "[default: attn-qv]" in text and "[default: no-multi-label]" in text
+    assert "[default: auto]" in text and "[default: no-multi-label]" in text
     unset = "--val <str> Validation file (any format `data` reads); when unset, a stratified "
     unset += "`val_fraction` of `data` is held out."
     assert f"{unset} --test" in text  # no default shown for an unset key: its text says what unset does

@@ -286,7 +286,7 @@ def targets(
         str,
         typer.Option("--target-modules", "--preset", help="Preset (attn-qv, attn, all-linear), names, regex"),
     ] = TrainConfig.target_modules,
-    lora_r: Annotated[int, typer.Option(help="LoRA rank")] = TrainConfig.lora_r,
+    lora_r: Annotated[int | None, typer.Option(help="LoRA rank (unset: as training sets it)")] = None,
     num_labels: Annotated[int, typer.Option(help="Number of classes (sizes the head)")] = 2,
     allow_few_targets: Annotated[bool, typer.Option(help="Do not refuse small selections")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own code")] = False,
@@ -294,10 +294,14 @@ def targets(
 ) -> None:
     """Show which modules would get LoRA and what would be trained, without loading weights or training."""
     quiet_libraries()
-    from loracls.lora import plan_for_model, targets_line, targets_table
+    from loracls.lora import plan_for_model, resolve_capacity, targets_line, targets_table
 
     try:
-        plan = plan_for_model(model, target_modules, lora_r, num_labels, allow_few_targets, trust_remote_code)
+        cfg = TrainConfig(model=model, target_modules=target_modules, lora_r=lora_r)
+        if chosen := resolve_capacity(cfg, num_labels):
+            console.print(chosen)
+        target_modules = cfg.target_modules
+        plan = plan_for_model(model, target_modules, cfg.lora_r, num_labels, allow_few_targets, trust_remote_code)
     except LoraclsError as e:
         fail(e)
     if as_json:

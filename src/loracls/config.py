@@ -171,12 +171,16 @@ class TrainConfig(PromptConfig):
     still improves (1: never more than planned)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value before each optimizer step."""
-    lora_r: int = 8
-    """LoRA rank."""
-    lora_alpha: float = 16
-    """LoRA scaling numerator: updates are scaled by `lora_alpha / lora_r`."""
-    lora_dropout: float = 0.05
-    """Dropout on the LoRA input."""
+    lora_r: int | None = None
+    """LoRA rank. Unset: 16 where `target_modules: auto` chose every linear layer (many classes), else 8; the
+    run's config.yaml stores the rank used."""
+    lora_alpha: float | None = None
+    """LoRA scaling numerator: updates are scaled by `lora_alpha / lora_r`. Unset: 2 x `lora_r` (16 at rank
+    8, a scale of 2)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input (0: none, and peft skips it). 0.05, the write-up's, scored the same on
+    validation (3 seeds, zh-reviews and en-tweets) and drawing its masks took 12% of a step (benchmarks/README.md,
+    "LoRA dropout")."""
     head_init: str = "auto"
     """How the new classification head starts: `auto`, `verbalizer`, `zero` or `normal`. `verbalizer`: every
     text is read inside the run's prompt, and each label's row is the LM head's row of its verbaliser's token,
@@ -195,10 +199,13 @@ class TrainConfig(PromptConfig):
     response_column: str | None = None
     """With `objective: lm`: a column of free text (a comment, a reason) the training response carries after
     the label word; `predict --generate` then writes what the model says. Rows may leave it empty."""
-    target_modules: str = "attn-qv"
-    """Modules that get LoRA: a preset (`attn-qv`, `attn`, `all-linear`), comma-separated names or one
+    target_modules: str = "auto"
+    """Modules that get LoRA: `auto`, a preset (`attn-qv`, `attn`, `all-linear`), comma-separated names or one
     regular expression. `attn-qv` = q_proj,v_proj; `attn` = q,k,v,o_proj; names such as `q_proj,v_proj`.
-    Only ever linear layers inside the language model's decoder layers."""
+    Only ever linear layers inside the language model's decoder layers. `auto`: `attn-qv` for up to
+    `lora.FEW_CLASSES` classes (sentiment: more capacity measured no better), `all-linear` (at rank 16 unless
+    `lora_r` is set) for more: topics and intents need the capacity (benchmarks/README.md, "LoRA's capacity
+    by the number of classes"); the run's config.yaml stores what was chosen."""
     allow_few_targets: bool = False
     """Train even when target_modules gives under a quarter of the LoRA parameters of `attn-qv`."""
     eval_every: int = 50
@@ -278,8 +285,8 @@ class TrainConfig(PromptConfig):
             "max_length": self.max_length >= 2,
             "long_texts": self.long_texts in ("cut", "mean", "max"),
             "window_stride": self.window_stride is None or self.window_stride >= 1,
-            "lora_r": self.lora_r >= 1,
-            "lora_alpha": self.lora_alpha > 0,
+            "lora_r": self.lora_r is None or self.lora_r >= 1,
+            "lora_alpha": self.lora_alpha is None or self.lora_alpha > 0,
             "lora_dropout": 0 <= self.lora_dropout < 1,
             "weight_decay": self.weight_decay >= 0,
             "warmup_ratio": 0 <= self.warmup_ratio < 1,

@@ -25,6 +25,10 @@ PRESETS: dict[str, tuple[str, ...] | None] = {
 there (attention, MLP and, for Gemma 4, the per-layer-input projections)."""
 
 DEFAULT_PRESET = "attn-qv"
+FEW_CLASSES = 3
+"""`target_modules: auto` gives up to this many classes `attn-qv`, and more classes `all-linear` at
+`MANY_CLASSES_RANK` (benchmarks/README.md, "LoRA's capacity by the number of classes")."""
+MANY_CLASSES_PRESET, MANY_CLASSES_RANK, DEFAULT_RANK = "all-linear", 16, 8
 MIN_SHARE_OF_DEFAULT = 0.25
 """A selection with fewer LoRA parameters than this share of the default preset's is refused."""
 
@@ -242,6 +246,26 @@ def plan_for_model(
     labels = [f"label_{i}" for i in range(num_labels)]
     skeleton = empty_classifier(resolve_model(model), labels, trust_remote_code)
     return plan_targets(skeleton, spec, r, allow_few_targets)
+
+
+def resolve_capacity(cfg: TrainConfig, classes: int) -> str | None:
+    """Settle `target_modules: auto`, an unset `lora_r` and `lora_alpha` for a task of `classes` classes, in
+    `cfg`; returns a line saying what `auto` chose and why (None when nothing was `auto`)."""
+    chose = cfg.target_modules == "auto"
+    many = classes > FEW_CLASSES
+    if chose:
+        cfg.target_modules = MANY_CLASSES_PRESET if many else DEFAULT_PRESET
+    if cfg.lora_r is None:
+        cfg.lora_r = MANY_CLASSES_RANK if chose and many else DEFAULT_RANK
+    if cfg.lora_alpha is None:
+        cfg.lora_alpha = 2 * cfg.lora_r
+    if not chose:
+        return None
+    why = f"more than {FEW_CLASSES} classes" if many else f"{FEW_CLASSES} classes or fewer"
+    return (
+        f"LoRA capacity (target_modules: auto): {cfg.target_modules} at rank {cfg.lora_r} for {classes} "
+        f"classes ({why}; --target-modules and --lora-r choose)"
+    )
 
 
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, TargetPlan]:

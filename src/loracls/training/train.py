@@ -39,6 +39,7 @@ from loracls.lora import (
     apply_lora,
     frozen_linears_in,
     keep_frozen_base,
+    resolve_capacity,
     targets_line,
     targets_table,
 )
@@ -157,6 +158,8 @@ def train(cfg: TrainConfig, overwrite: bool = False) -> tuple[RunFolder, dict]:
         )
         parse_verbalizers(cfg.verbalizers, splits.labels)  # refused before a run folder exists
         cfg.label_descriptions = read_descriptions(cfg.label_descriptions, splits.labels)  # config.yaml: them
+        if chosen := resolve_capacity(cfg, len(splits.labels)):  # config.yaml: what was chosen
+            console.print(chosen)
         out = [cfg.out or default_out(cfg.data)]
         if processes.num_processes > 1:
             broadcast_object_list(out)  # one folder, even when the processes' clocks read different seconds
