@@ -84,7 +84,7 @@ def batches(labels_n: int, lengths: list[int], rows: int, steps: int) -> dict[in
     for length in lengths:
         per_batch = max(1, rows // length)
         out[length] = []
-        for step in range(steps):
+        for _ in range(steps):
             ids = torch.tensor(stream[at : at + per_batch * (length - 1)]).view(per_batch, length - 1)
             at += per_batch * (length - 1)
             ids = torch.cat([torch.full((per_batch, 1), tokenizer.bos_token_id), ids], dim=1)
@@ -165,9 +165,11 @@ def main() -> None:
                 seconds = step(*models[way], batch, device, precision)
                 if i >= args.warmup:
                     times[way][length].append(seconds)
-        print(f"length {length}: " + ", ".join(
-            f"{way} {statistics.median(times[way][length]):.3f} s" for way in WAYS
-        ), flush=True)
+        print(
+            f"length {length}: "
+            + ", ".join(f"{way} {statistics.median(times[way][length]):.3f} s" for way in WAYS),
+            flush=True,
+        )
     results = {}
     for way in WAYS:
         results[way] = {}
@@ -189,7 +191,7 @@ def main() -> None:
     write_result(
         args.out or RESULTS / f"step_anatomy_{precision}.json",
         {
-            "question": "what attention's kernel and LoRA's dropout cost a training step, and where its time goes",
+            "question": "what attention's kernel and LoRA dropout cost a training step; where its time goes",
             "baseline": BASELINE,
             "settings": {"rows": args.rows, "lengths": lengths, "steps": args.steps, "precision": precision},
             "ways": results,

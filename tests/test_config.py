@@ -30,7 +30,7 @@ def test_defaults_follow_the_recipe():
     [
         ({}, 2, ("attn-qv", 8, 16)),  # the write-up's recipe for sentiment
         ({}, FEW_CLASSES, ("attn-qv", 8, 16)),
-        ({}, FEW_CLASSES + 1, ("all-linear", 16, 32)),  # many classes: the capacity they were measured to need
+        ({}, FEW_CLASSES + 1, ("all-linear", 16, 32)),  # many classes: measured to need it
         ({"lora_r": 4}, 77, ("all-linear", 4, 8)),  # a rank the user set stays
         ({"target_modules": "attn"}, 77, ("attn", 8, 16)),  # so do targets; the rank follows them, not auto
         ({"lora_alpha": 8}, 2, ("attn-qv", 8, 8)),

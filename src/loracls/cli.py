@@ -300,8 +300,8 @@ def targets(
         cfg = TrainConfig(model=model, target_modules=target_modules, lora_r=lora_r)
         if chosen := resolve_capacity(cfg, num_labels):
             console.print(chosen)
-        target_modules = cfg.target_modules
-        plan = plan_for_model(model, target_modules, cfg.lora_r, num_labels, allow_few_targets, trust_remote_code)
+        target_modules, rank = cfg.target_modules, cfg.lora_r
+        plan = plan_for_model(model, target_modules, rank, num_labels, allow_few_targets, trust_remote_code)
     except LoraclsError as e:
         fail(e)
     if as_json:

@@ -178,9 +178,9 @@ class TrainConfig(PromptConfig):
     """LoRA scaling numerator: updates are scaled by `lora_alpha / lora_r`. Unset: 2 x `lora_r` (16 at rank
     8, a scale of 2)."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input (0: none, and peft skips it). 0.05, the write-up's, scored the same on
-    validation (3 seeds, zh-reviews and en-tweets) and drawing its masks took 12% of a step (benchmarks/README.md,
-    "LoRA dropout")."""
+    """Dropout on the LoRA input (0: none, and peft skips it). The write-up's 0.05 scored the same on
+    validation (3 seeds, zh-reviews and en-tweets), and drawing its masks took 12% of a step
+    (benchmarks/README.md, "LoRA dropout")."""
     head_init: str = "auto"
     """How the new classification head starts: `auto`, `verbalizer`, `zero` or `normal`. `verbalizer`: every
     text is read inside the run's prompt, and each label's row is the LM head's row of its verbaliser's token,

@@ -270,8 +270,11 @@ def resolve_capacity(cfg: TrainConfig, classes: int) -> str | None:
 
 def apply_lora(model: torch.nn.Module, cfg: TrainConfig) -> tuple[PeftModel, TargetPlan]:
     """Add LoRA to the planned targets; a classifier's head is named in `modules_to_save` so it is trained
-    and saved (under `objective: lm` the LM head stays frozen: LoRA alone is trained)."""
+    and saved (under `objective: lm` the LM head stays frozen: LoRA alone is trained). A `cfg` not yet
+    through `resolve_capacity` (training does it with the task's labels) is resolved here with the head's
+    number of classes."""
     head = objective_kind(cfg.objective).trains_head
+    resolve_capacity(cfg, model.config.num_labels)
     plan = plan_targets(model, cfg.target_modules, cfg.lora_r, cfg.allow_few_targets, head_trained=head)
     lora_config = LoraConfig(
         task_type=TaskType.SEQ_CLS if head else TaskType.CAUSAL_LM,
