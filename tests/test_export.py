@@ -60,6 +60,17 @@ def test_targets_prints_the_plan_without_training(tiny_models, family):
     assert plan["trainable"] == plan["lora_parameters"] + plan["head_parameters"]
 
 
+def test_targets_follow_auto_as_training_would_for_many_classes(tiny_models):
+    result = invoke("targets", "--model", tiny_models["llama"], "--num-labels", "5")
+    assert result.exit_code == 0, result.output
+    assert "all-linear at rank 16 for 5 classes" in " ".join(result.output.split())
+    plan = json.loads(
+        invoke("targets", "--model", tiny_models["llama"], "--num-labels", "5", "--json").output
+    )
+    assert {m.rsplit(".", 1)[-1] for m in plan["modules"]} >= {"q_proj", "gate_proj", "down_proj"}
+    assert plan["target_modules"] == "all-linear"
+
+
 def test_targets_refusal_exits_2_with_the_linear_names(tiny_models):
     result = invoke("targets", "--model", tiny_models["gemma4mm"], "--target-modules", r".*embed_tokens")
     assert result.exit_code == 2

@@ -298,7 +298,7 @@ def targets(
 
     try:
         cfg = TrainConfig(model=model, target_modules=target_modules, lora_r=lora_r)
-        if chosen := resolve_capacity(cfg, num_labels):
+        if (chosen := resolve_capacity(cfg, num_labels)) and not as_json:  # --json: the plan alone
             console.print(chosen)
         target_modules, rank = cfg.target_modules, cfg.lora_r
         plan = plan_for_model(model, target_modules, rank, num_labels, allow_few_targets, trust_remote_code)
