@@ -3,7 +3,9 @@ README's first command runs it: the prompt baseline on the test reviews, then th
 
     python benchmarks/demo.py [--out benchmarks/results/demo.json] [--run-dir runs/demo] [KEY=VALUE ...]
 
-Prints the test accuracy beside the baseline's and writes the result (with the commit, CPU flags, versions).
+Prints the test accuracy beside the baseline's, and the seconds of each stage of the run (metrics.json's
+`stages`: the prompt choice and baseline, loading, training, testing, ...), and writes the result (with the
+commit, CPU flags, versions).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def main() -> None:
         f"test accuracy {metrics['test']['accuracy']:.4f} (macro-F1 {metrics['test']['macro_f1']:.4f}); "
         f"baseline {baseline.get('accuracy', float('nan')):.4f}; {wall / 60:.1f} minutes"
     )
+    stages = metrics["stages"]
+    print("| stage | seconds | share |\n|---|---|---|")
+    for name, seconds in stages["seconds"].items():
+        print(f"| {name} | {seconds:.1f} | {stages['share'][name]:.1%} |")
     write_result(
         args.out,
         {
@@ -53,6 +59,7 @@ def main() -> None:
                 k: v for k, v in (metrics.get("calibration") or {}).items() if not k.startswith("bins")
             },
             "train": metrics["train"],
+            "stages": stages,
             "wall_s": round(wall, 1),
             "env_json": json.loads((run.path / "env.json").read_text(encoding="utf-8")).get(
                 "mixed_precision"

@@ -4,8 +4,13 @@ on the same texts offline (the baseline, measured in the same run).
 The classifier is the real Gemma 3 270M, trained briefly and exported (`inference.make_export`: the speed
 of a forward pass does not depend on how long it was trained). The server runs as its own process on a
 loopback port; every client sends one text per request, as a caller classifying a stream would, for a
-bounded number of requests. Reported per concurrency: throughput (texts/s), p50 and p99 latency, and the
-mean batch the worker formed (from /metrics), beside `loracls predict` offline (its default batch of 32)
+bounded number of requests. The clients run two ways, taking turns at each level: threads of this process
+(`threads`, the load generator before), and asyncio tasks in a process of their own (`asyncio-process`:
+nothing of the load generator shares an interpreter with the server or holds the GIL of the benchmark).
+On a machine of few cores the clients still share its CPUs with the server, so each level also reports
+the CPU milliseconds per request spent by the load generator and by the server (its `process_cpu_seconds`
+on /metrics). Reported per concurrency: throughput (texts/s), p50 and p99 latency, and the mean batch the
+worker formed (from /metrics), beside `loracls predict` offline (its default batch of 32)
 and offline in the server's CPU passes of 8. Ratios: throughput at 16 clients over offline throughput
 (target >= 0.8: batching works), p50 latency at 1 client over one forward pass of one text (target <= 1.5).
 
@@ -17,6 +22,8 @@ Writes benchmarks/results/serve.json (with the CPU flags: bf16 is emulated on CP
 from __future__ import annotations
 
 import argparse
+import asyncio
+import multiprocessing
 import signal
 import socket
 import statistics
@@ -25,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -70,8 +78,9 @@ def batches_formed(url: str) -> tuple[float, float]:
     return value.get("loracls_batch_texts_count", 0.0), value.get("loracls_batch_texts_sum", 0.0)
 
 
-def under_load(url: str, bodies: list[dict], clients: int) -> dict:
-    """The `/classify` request `bodies`, sent by `clients` threads; throughput and latency percentiles."""
+def thread_clients(url: str, bodies: list[dict], clients: int) -> tuple[list[float], float, float]:
+    """The `/classify` request `bodies`, sent by `clients` threads of this process (the load generator
+    before): each request's latency, the wall time, and the CPU seconds this process spent."""
     latencies: list[float] = []
     lock = threading.Lock()
 
@@ -83,24 +92,77 @@ def under_load(url: str, bodies: list[dict], clients: int) -> dict:
                 with lock:
                     latencies.append(time.perf_counter() - started)
 
-    passes, seen = batches_formed(url)
     threads = [threading.Thread(target=client, args=(w,)) for w in range(clients)]
-    started = time.perf_counter()
+    cpu, started = time.process_time(), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - started
+    return latencies, time.perf_counter() - started, time.process_time() - cpu
+
+
+async def async_clients(url: str, bodies: list[dict], clients: int) -> tuple[list[float], float, float]:
+    """The same as `thread_clients`, as `clients` asyncio tasks on one connection pool (run in a process of
+    its own by `process_clients`)."""
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+
+        async def client(worker: int) -> None:
+            for body in bodies[worker::clients]:
+                started = time.perf_counter()
+                (await http.post(f"{url}/classify", json=body)).raise_for_status()
+                latencies.append(time.perf_counter() - started)
+
+        await http.get(f"{url}/ready")  # the connection pool's first connection, outside the timing
+        cpu, started = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client(w) for w in range(clients)))
+        return latencies, time.perf_counter() - started, time.process_time() - cpu
+
+
+def process_clients(url: str, bodies: list[dict], clients: int) -> tuple[list[float], float, float]:
+    """`async_clients` in a fresh process of its own (no torch, no model in it): the load generator the
+    server does not share an interpreter with."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_async_clients, url, bodies, clients).result()
+
+
+def run_async_clients(url: str, bodies: list[dict], clients: int) -> tuple[list[float], float, float]:
+    return asyncio.run(async_clients(url, bodies, clients))
+
+
+LOAD_GENERATORS = {"threads": thread_clients, "asyncio-process": process_clients}
+"""How the clients are run: threads of the benchmark's process (before), or asyncio tasks in a process of
+their own."""
+
+
+def under_load(url: str, bodies: list[dict], clients: int, generator: str) -> dict:
+    """The `/classify` request `bodies`, sent by `clients` concurrent clients run as `generator` says;
+    throughput, latency percentiles, the mean batch the worker formed, and the CPU seconds per request spent
+    by the load generator and by the server."""
+    passes, seen = batches_formed(url)
+    server_cpu = process_cpu_seconds(url)
+    latencies, wall, client_cpu = LOAD_GENERATORS[generator](url, bodies, clients)
+    server_cpu = process_cpu_seconds(url) - server_cpu
     passes_after, seen_after = batches_formed(url)
     latencies.sort()
     return {
+        "load_generator": generator,
         "clients": clients,
         "requests": len(bodies),
         "texts_per_s": len(bodies) / wall,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "mean_batch": (seen_after - seen) / max(passes_after - passes, 1),
+        "load_generator_cpu_ms_per_request": 1000 * client_cpu / len(bodies),
+        "server_cpu_ms_per_request": 1000 * server_cpu / len(bodies),
     }
+
+
+def process_cpu_seconds(url: str) -> float:
+    """The server process's CPU seconds so far (user and system), from its /metrics."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return next(float(line.split()[1]) for line in lines if line.startswith("process_cpu_seconds_total"))
 
 
 def main() -> None:
@@ -138,11 +200,12 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         bodies = [{"input": texts[n % len(texts)]} for n in range(args.requests)]
-        levels = [under_load(url, bodies, c) for c in (1, 4, 16)]
+        # the two load generators take turns at each level, so that drift in the machine hits both
+        levels = [under_load(url, bodies, c, way) for c in (1, 4, 16) for way in LOAD_GENERATORS]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
-    by_clients = {level["clients"]: level for level in levels}
+    at = {(level["load_generator"], level["clients"]): level for level in levels}
     result = {
         "question": "loracls serve under 1/4/16 concurrent one-text clients vs loracls predict offline",
         "server": {"max_batch": 32, "max_wait_ms": args.max_wait_ms},
@@ -154,8 +217,11 @@ def main() -> None:
         },
         "levels": levels,
         "ratios": {
-            "throughput_16_clients_over_offline": by_clients[16]["texts_per_s"] / offline,
-            "p50_1_client_over_one_pass": by_clients[1]["p50_ms"] / one_pass_ms,
+            way: {
+                "throughput_16_clients_over_offline": at[way, 16]["texts_per_s"] / offline,
+                "p50_1_client_over_one_pass": at[way, 1]["p50_ms"] / one_pass_ms,
+            }
+            for way in LOAD_GENERATORS
         },
         "targets": {"throughput_16_clients_over_offline": ">= 0.8", "p50_1_client_over_one_pass": "<= 1.5"},
     }
@@ -163,11 +229,24 @@ def main() -> None:
         f"offline (loracls predict): {offline:.1f} texts/s ({offline_cpu_pass:.1f} in passes of {CPU_PASS}); "
         f"one forward pass of one text: {one_pass_ms:.0f} ms"
     )
-    print("| clients | texts/s | p50 ms | p99 ms | mean batch |\n|---|---|---|---|---|")
+    print(
+        "| load generator | clients | texts/s | p50 ms | p99 ms | mean batch | client CPU ms/request "
+        "| server CPU ms/request |\n|---|---|---|---|---|---|---|---|"
+    )
     for level in levels:
-        cells = [f"{level['texts_per_s']:.1f}", f"{level['p50_ms']:.0f}", f"{level['p99_ms']:.0f}"]
-        print(f"| {level['clients']} | {' | '.join(cells)} | {level['mean_batch']:.1f} |")
-    print({k: round(v, 3) for k, v in result["ratios"].items()})
+        cells = [
+            level["load_generator"],
+            level["clients"],
+            f"{level['texts_per_s']:.1f}",
+            f"{level['p50_ms']:.0f}",
+            f"{level['p99_ms']:.0f}",
+            f"{level['mean_batch']:.1f}",
+            f"{level['load_generator_cpu_ms_per_request']:.1f}",
+            f"{level['server_cpu_ms_per_request']:.0f}",
+        ]
+        print(f"| {' | '.join(map(str, cells))} |")
+    for way, ratios in result["ratios"].items():
+        print(way, {k: round(v, 3) for k, v in ratios.items()})
     write_result(args.out, result)
 
 

@@ -48,6 +48,19 @@ def test_fractional_epochs_stop_part_way(tmp_path, tiny_models, toy_csv):
     assert metrics["best_val"]["step"] == 3
 
 
+def test_metrics_say_where_the_run_s_time_went(tmp_path, tiny_models, toy_csv):
+    """metrics.json's `stages`: seconds per stage in the order they ran, the baseline and the training among
+    them, with shares of their total that add up to one."""
+    _, metrics = run_log(tmp_path, tiny_models, toy_csv, epochs=0.5, eval_every=100, prompt_sample=8)
+    seconds, share = metrics["stages"]["seconds"], metrics["stages"]["share"]
+    names = list(seconds)
+    assert names.index("choosing the prompt and scoring the baseline") < names.index("training")
+    assert names.index("training") < names.index("testing the best checkpoint")
+    assert all(t >= 0 for t in seconds.values()) and seconds["training"] > 0
+    assert sum(share.values()) == pytest.approx(1, abs=0.01)
+    assert metrics["stages"]["resumed"] is False
+
+
 def test_early_stopping_after_patience(tmp_path, tiny_models, toy_csv):
     # a learning rate this small cannot change a prediction, so no validation improves on the first
     log, metrics = run_log(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from datasets import Dataset
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from loracls.data.labels import label_value
 from loracls.inference.predict import Classifier
@@ -58,10 +58,12 @@ class Job:
 
 
 class Metrics:
-    """The Prometheus metrics of one server, in their own registry."""
+    """The Prometheus metrics of one server, in their own registry, with the standard `process_*` ones (CPU
+    seconds, resident memory, open files)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
         self.requests = Counter(
             "loracls_requests",
             "Requests by endpoint and status",

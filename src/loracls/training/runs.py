@@ -49,12 +49,26 @@ class RunFolder:
     """Whether this process writes: under several processes only the main one does; the others' writes are
     no-ops, so the training code reads the same for one process or many."""
 
-    stage: str = "starting"
-    """What the run is doing, for the message when a signal or an error stops it."""
-
     def __post_init__(self) -> None:
         self.path = Path(self.path)
         self.lock_file = None
+        self._stage, self._stage_started = "starting", time.monotonic()
+        self.stage_seconds: dict[str, float] = {}
+        """Seconds spent in each stage that has ended, in the order the stages ran (metrics.json's
+        `stages`)."""
+
+    @property
+    def stage(self) -> str:
+        """What the run is doing, for the message when a signal or an error stops it; setting it ends the
+        stage before (its time goes to `stage_seconds`)."""
+        return self._stage
+
+    @stage.setter
+    def stage(self, name: str) -> None:
+        now = time.monotonic()
+        spent = self.stage_seconds.get(self._stage, 0.0) + now - self._stage_started
+        self.stage_seconds[self._stage] = round(spent, 2)
+        self._stage, self._stage_started = name, now
 
     @classmethod
     def create(cls, out: str | None, data: str, main: bool = True, overwrite: bool = False) -> RunFolder:

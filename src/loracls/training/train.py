@@ -357,6 +357,7 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         best, val_set, test_set, tokenizer, splits, cfg, run, accelerator, objective
     )
     log = read_jsonl(run.file("train_log.jsonl")) if run.main else []
+    run.stage = "writing the metrics"
     metrics = {
         "test": test,
         "baseline": baseline_summary(baseline),
@@ -364,12 +365,25 @@ def run_stages(run: RunFolder, cfg: TrainConfig, splits: Splits, resume: Path | 
         "learning": learning_summary(log, cfg.metric, result.steps, test),
         "calibration": calibration,
         **run_figures(result, cfg, splits, share, plan, accelerator),
+        "stages": stage_seconds(run, resume),
     }
     run.write_json("metrics.json", metrics)
     accelerator.log({"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"]}, step=result.steps)
     del model, best  # under DDP/FSDP they hold the process group, which end_processes() destroys
     end_processes(accelerator)
     return metrics
+
+
+def stage_seconds(run: RunFolder, resume: Path | None) -> dict:
+    """Seconds per stage of this process's run (`RunFolder.stage_seconds`; a resumed run's count from the
+    resume), and each one's share of their total: where a run's time went."""
+    seconds = dict(run.stage_seconds)
+    total = sum(seconds.values())
+    return {
+        "seconds": seconds,
+        "share": {name: round(t / total, 3) for name, t in seconds.items()} if total else {},
+        "resumed": resume is not None,
+    }
 
 
 def run_figures(
