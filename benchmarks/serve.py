@@ -11,8 +11,9 @@ On a machine of few cores the clients still share its CPUs with the server, so e
 the CPU milliseconds per request spent by the load generator and by the server (its `process_cpu_seconds`
 on /metrics). Reported per concurrency: throughput (texts/s), p50 and p99 latency, and the mean batch the
 worker formed (from /metrics), beside `loracls predict` offline (its default batch of 32)
-offline in the server's CPU passes of 8, and offline in the batches such a server sees (the texts in
-arrival order, 8 at a time: the mean batch at 16 clients; each sorted by length, then cut into passes).
+and offline in the batches such a server sees (the texts in arrival order, 8 at a time: the mean batch at
+16 clients; each sorted by length, then cut into passes). Two servers run one after the other: passes of 8
+texts (the CPU default before) and passes of at most 512 padded tokens (today's; `--pass-tokens`).
 Ratios: throughput at 16 clients over offline throughput
 (target >= 0.8: batching works), p50 latency at 1 client over one forward pass of one text (target <= 1.5).
 
@@ -46,7 +47,11 @@ from inference import make_export  # noqa: E402
 from loracls.config import TrainConfig  # noqa: E402
 from loracls.data.splits import load_splits  # noqa: E402
 from loracls.inference.predict import Classifier  # noqa: E402
-from loracls.inference.serve import CPU_PASS  # noqa: E402
+from loracls.inference.serve import CPU_PASS_TOKENS  # noqa: E402
+
+PASSES = {"8 texts": (8, None), f"{CPU_PASS_TOKENS} tokens": (32, CPU_PASS_TOKENS)}
+"""How the servers compared cut a batch into forward passes on a CPU (`--pass-size`, `--pass-tokens`): passes
+of 8 texts (the default before), and of at most 32 texts and `CPU_PASS_TOKENS` padded tokens (today's)."""
 
 GROUP = 8
 """The texts a server of one-text requests from 16 clients answers at once (its mean batch): with every
@@ -189,16 +194,15 @@ def main() -> None:
     started = time.perf_counter()
     classifier.predict_probs(texts)
     offline = len(texts) / (time.perf_counter() - started)
-    classifier.batch_size = CPU_PASS  # what the server uses on a CPU
-    started = time.perf_counter()
-    classifier.predict_probs(texts)
-    offline_cpu_pass = len(texts) / (time.perf_counter() - started)
     # what a server of one-text requests can see at once: the texts in arrival order, a batch of GROUP at a
-    # time (the mean batch at 16 clients), each batch sorted and cut into the server's passes
-    started = time.perf_counter()
-    for start in range(0, len(texts), GROUP):
-        classifier.predict_probs(texts[start : start + GROUP])
-    offline_groups = len(texts) / (time.perf_counter() - started)
+    # time (the mean batch at 16 clients), each batch sorted and cut into the passes each server makes
+    offline_groups = {}
+    for way, (pass_size, pass_tokens) in PASSES.items():
+        classifier.batch_size, classifier.pass_tokens = pass_size, pass_tokens
+        started = time.perf_counter()
+        for start in range(0, len(texts), GROUP):
+            classifier.predict_probs(texts[start : start + GROUP])
+        offline_groups[way] = len(texts) / (time.perf_counter() - started)
     single = []
     for text in texts[:16]:
         started = time.perf_counter()
@@ -207,51 +211,61 @@ def main() -> None:
     one_pass_ms = 1000 * statistics.median(single)
     del classifier
 
-    port = free_port()
-    server = start_server([str(export), "--max-batch", "32", "--max-wait-ms", str(args.max_wait_ms)], port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        bodies = [{"input": texts[n % len(texts)]} for n in range(args.requests)]
-        # the two load generators take turns at each level, so that drift in the machine hits both
-        levels = [under_load(url, bodies, c, way) for c in (1, 4, 16) for way in LOAD_GENERATORS]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=120)
-    at = {(level["load_generator"], level["clients"]): level for level in levels}
+    bodies = [{"input": texts[n % len(texts)]} for n in range(args.requests)]
+    levels = []
+    for way, (pass_size, pass_tokens) in PASSES.items():
+        port = free_port()
+        options = ["--max-batch", "32", "--max-wait-ms", str(args.max_wait_ms)]
+        options += ["--pass-size", str(pass_size), "--pass-tokens", str(pass_tokens or 0)]
+        server = start_server([str(export), *options], port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            # the two load generators take turns at each level, so that drift in the machine hits both
+            levels += [
+                {"passes": way} | under_load(url, bodies, c, generator)
+                for c in (1, 4, 16)
+                for generator in LOAD_GENERATORS
+            ]
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
+    at = {(level["passes"], level["load_generator"], level["clients"]): level for level in levels}
     result = {
         "question": "loracls serve under 1/4/16 concurrent one-text clients vs loracls predict offline",
-        "server": {"max_batch": 32, "max_wait_ms": args.max_wait_ms},
+        "server": {"max_batch": 32, "max_wait_ms": args.max_wait_ms, "passes": PASSES},
         "baseline": {
             "offline_texts_per_s": offline,
-            "offline_texts_per_s_in_passes_of_8": offline_cpu_pass,
             f"offline_texts_per_s_in_arrival_batches_of_{GROUP}": offline_groups,
             "one_forward_pass_ms": one_pass_ms,
             "texts": len(texts),
         },
         "levels": levels,
         "ratios": {
-            way: {
-                "throughput_16_clients_over_offline": at[way, 16]["texts_per_s"] / offline,
+            f"{way}, {generator}": {
+                "throughput_16_clients_over_offline": at[way, generator, 16]["texts_per_s"] / offline,
                 f"throughput_16_clients_over_offline_in_arrival_batches_of_{GROUP}": (
-                    at[way, 16]["texts_per_s"] / offline_groups
+                    at[way, generator, 16]["texts_per_s"] / offline_groups[way]
                 ),
-                "p50_1_client_over_one_pass": at[way, 1]["p50_ms"] / one_pass_ms,
+                "p50_1_client_over_one_pass": at[way, generator, 1]["p50_ms"] / one_pass_ms,
             }
-            for way in LOAD_GENERATORS
+            for way in PASSES
+            for generator in LOAD_GENERATORS
         },
         "targets": {"throughput_16_clients_over_offline": ">= 0.8", "p50_1_client_over_one_pass": "<= 1.5"},
     }
+    grouped = ", ".join(f"{way}: {speed:.1f}" for way, speed in offline_groups.items())
     print(
-        f"offline (loracls predict): {offline:.1f} texts/s ({offline_cpu_pass:.1f} in passes of {CPU_PASS}, "
-        f"{offline_groups:.1f} in arrival batches of {GROUP}); "
+        f"offline (loracls predict, batch 32): {offline:.1f} texts/s; "
+        f"in arrival batches of {GROUP}, {grouped}; "
         f"one forward pass of one text: {one_pass_ms:.0f} ms"
     )
     print(
-        "| load generator | clients | texts/s | p50 ms | p99 ms | mean batch | client CPU ms/request "
-        "| server CPU ms/request |\n|---|---|---|---|---|---|---|---|"
+        "| passes | load generator | clients | texts/s | p50 ms | p99 ms | mean batch "
+        "| client CPU ms/request | server CPU ms/request |\n|---|---|---|---|---|---|---|---|---|"
     )
     for level in levels:
         cells = [
+            level["passes"],
             level["load_generator"],
             level["clients"],
             f"{level['texts_per_s']:.1f}",

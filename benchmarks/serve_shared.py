@@ -38,7 +38,7 @@ from serve import free_port, start_server, under_load  # noqa: E402
 
 from loracls.config import TrainConfig  # noqa: E402
 from loracls.data.splits import load_splits  # noqa: E402
-from loracls.inference.serve import CPU_PASS  # noqa: E402
+from loracls.inference.serve import CPU_PASS_TOKENS  # noqa: E402
 from loracls.inference.shared_base import ClassifierSet, read_member  # noqa: E402
 
 
@@ -64,18 +64,21 @@ def fan_out_against_separate(url: str, names: list[str], texts: list[str], round
 
 def mixed_against_grouped(runs: list[Path], texts: list[str], rounds: int) -> dict:
     """Offline seconds for each of 4 classifiers' `texts`: shared passes of rows of all four, against each
-    classifier's own passes; the fastest of `rounds` alternating rounds."""
+    classifier's own passes (both cut as the server cuts them on a CPU: at most 32 texts and
+    `CPU_PASS_TOKENS` padded tokens); the fastest of `rounds` alternating rounds."""
     members = [read_member(f"c{n}", runs[n % len(runs)]) for n in range(4)]
     shared = ClassifierSet.load(members)
     encoded = {}
     for name, classifier in shared.classifiers.items():
-        classifier.batch_size = CPU_PASS
+        classifier.batch_size, classifier.pass_tokens = 32, CPU_PASS_TOKENS
         encoded[name] = classifier.encode(texts)
-    shared.probs_mixed({name: ids["input_ids"][:8] for name, ids in encoded.items()}, CPU_PASS)  # warm-up
+    warm_up = {name: ids["input_ids"][:8] for name, ids in encoded.items()}
+    shared.probs_mixed(warm_up, 32, max_tokens=CPU_PASS_TOKENS)
     mixed, grouped = [], []
     for _ in range(rounds):
         started = time.perf_counter()
-        shared.probs_mixed({name: ids["input_ids"] for name, ids in encoded.items()}, CPU_PASS)
+        every = {name: ids["input_ids"] for name, ids in encoded.items()}
+        shared.probs_mixed(every, 32, max_tokens=CPU_PASS_TOKENS)
         mixed.append(time.perf_counter() - started)
         started = time.perf_counter()
         for name, classifier in shared.classifiers.items():

@@ -2,7 +2,7 @@
 
 import random
 
-from loracls.data.batching import LengthGroupedBatches
+from loracls.data.batching import LengthGroupedBatches, length_passes
 
 
 def test_length_grouped_batches_cover_every_example_once():
@@ -53,6 +53,26 @@ def test_eval_batches_are_sorted_by_length():
     lengths = [5, 1, 9, 3, 7]
     batches = LengthGroupedBatches(lengths, batch_size=2, shuffle=False).batches()
     assert batches == [[1, 3], [0, 4], [2]]
+
+
+def test_inference_passes_keep_to_a_token_budget():
+    """Passes of at most 4 texts and 40 padded tokens: short texts share wide passes, long ones narrow ones,
+    a text over the budget has a pass of its own, and every text comes once, shortest first."""
+    rng = random.Random(0)
+    lengths = [rng.choice([3, 5, 8, 12, 20, 45]) for _ in range(60)]
+    passes = length_passes(lengths, size=4, max_tokens=40)
+    assert sorted(i for p in passes for i in p) == list(range(60))
+    flat = [lengths[i] for p in passes for i in p]
+    assert flat == sorted(flat)
+    for p in passes:
+        longest = max(lengths[i] for i in p)
+        assert len(p) <= 4 and (len(p) * longest <= 40 or len(p) == 1)
+    widths: dict[int, int] = {}  # the widest pass ending at each length
+    for p in passes:
+        widths[lengths[p[-1]]] = max(widths.get(lengths[p[-1]], 0), len(p))
+    assert widths[3] == 4 and widths[12] == 3 and widths[20] == 2 and widths[45] == 1
+    # without a budget: passes of `size` texts, as before
+    assert [len(p) for p in length_passes(lengths, size=4)] == [4] * 15
 
 
 def shard(sampler: LengthGroupedBatches, processes: int) -> list[list[list[int]]]:

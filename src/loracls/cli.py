@@ -364,7 +364,14 @@ def serve(
     ] = 5.0,
     pass_size: Annotated[
         int | None,
-        typer.Option(help="Texts per forward pass (default: the batch on a GPU, 8 on a CPU)", min=1),
+        typer.Option(help="Texts per forward pass at most (default: --max-batch)", min=1),
+    ] = None,
+    pass_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Padded tokens per forward pass at most (default: none on a GPU, 512 on a CPU; 0: none)",
+            min=0,
+        ),
     ] = None,
     max_texts: Annotated[int, typer.Option(help="Texts in one request at most (413 above)", min=1)] = 64,
     max_chars: Annotated[
@@ -403,8 +410,17 @@ def serve(
     slow = emulated_bf16_warning(precision, inference_device().type)
     if slow:
         console.print(f"[yellow]{slow}[/]", soft_wrap=True)
-    limits = ServeLimits(max_batch, pass_size, max_wait_ms, max_texts, max_chars, max(max_queue, max_texts))
-    limits.body_timeout, limits.min_confidence = body_timeout, min_confidence
+    limits = ServeLimits(
+        max_batch=max_batch,
+        pass_size=pass_size,
+        pass_tokens=pass_tokens,
+        max_wait_ms=max_wait_ms,
+        max_texts=max_texts,
+        max_chars=max_chars,
+        max_queue=max(max_queue, max_texts),
+        body_timeout=body_timeout,
+        min_confidence=min_confidence,
+    )
     try:
         if int8:
             check_int8_cpu()

@@ -22,8 +22,8 @@ class LengthGroupedBatches(Sampler[list[int]]):
     random batches). With `labels`, each mega-batch is sorted by length within each label and the labels are
     interleaved by rank (an example's place is its rank among its label's examples, as a fraction), so each
     batch holds about the label mix of the mega-batch: where length goes with the label, a plain length sort
-    gives label-skewed batches. Evaluation (`shuffle=False`): sort everything by length; callers restore the
-    original order with the indices.
+    gives label-skewed batches. Evaluation (`shuffle=False`): sort everything by length (`length_passes`, with
+    its token budget `max_tokens`); callers restore the original order with the indices.
 
     The batch size is kept as `size`, not `batch_size`: accelerate's multi-process sharding would read a
     `batch_size` as "every batch is full" and skip the one short batch wherever shuffling put it. With
@@ -40,9 +40,11 @@ class LengthGroupedBatches(Sampler[list[int]]):
         group: int = 50,
         labels: list[str] | None = None,
         shards: int = 1,
+        max_tokens: int | None = None,
     ):
         self.lengths, self.labels, self.size, self.group = lengths, labels, batch_size, group
         self.shuffle, self.seed, self.epoch, self.shards = shuffle, seed, 0, shards
+        self.max_tokens = max_tokens  # evaluation only: `length_passes`'s token budget
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -51,8 +53,7 @@ class LengthGroupedBatches(Sampler[list[int]]):
         order = list(range(len(self.lengths)))
         rng = random.Random(self.seed + self.epoch)
         if not self.shuffle:
-            order.sort(key=lambda i: self.lengths[i])
-            return [order[i : i + self.size] for i in range(0, len(order), self.size)]
+            return length_passes(self.lengths, self.size, self.max_tokens)
         rng.shuffle(order)
         mega = self.size * self.group
         out = []
@@ -80,6 +81,23 @@ class LengthGroupedBatches(Sampler[list[int]]):
         if not self.shuffle or count % self.shards == 0:
             return count
         return min(count + self.shards - count % self.shards, len(self.lengths))  # as `evened` splits
+
+
+def length_passes(lengths: list[int], size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Inference passes: the indices of `lengths` sorted by length (shortest first), cut into passes of at
+    most `size` texts and, with `max_tokens`, at most that many padded tokens (texts x the pass's longest;
+    a text longer than the budget gets a pass of its own). On a CPU, where padding costs what text does, a
+    budget keeps short texts in wide passes and long ones in narrow ones (benchmarks/README.md, "Serving")."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    passes: list[list[int]] = []
+    for i in order:
+        current = passes[-1] if passes else None
+        full = current is None or len(current) >= size
+        if full or (max_tokens is not None and (len(current) + 1) * lengths[i] > max_tokens):
+            passes.append([i])
+        else:
+            current.append(i)
+    return passes
 
 
 def evened(batches: list[list[int]], shards: int) -> list[list[int]]:

@@ -245,7 +245,10 @@ class Batcher:
         }
         if self.shared is not None and len(groups) > 1:
             ids = {name: encoding["input_ids"] for name, encoding in encodings.items()}
-            rows = self.shared.probs_mixed(ids, self.of(jobs[0]).batch_size, calibrated=False)
+            some = self.of(jobs[0])
+            rows = self.shared.probs_mixed(
+                ids, some.batch_size, calibrated=False, max_tokens=some.pass_tokens
+            )
         else:
             rows = {
                 name: self.of(group[0]).probs(encodings[name], calibrated=False)

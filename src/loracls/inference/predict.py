@@ -116,6 +116,9 @@ class Classifier:
     single-label: then renormalised)."""
     stride: int | None = None
     """Tokens between the starts of two windows (None: half a window; at most a window)."""
+    pass_tokens: int | None = None
+    """Padded tokens per forward pass at most (None: passes of `batch_size` texts whatever their length); the
+    server sets it on a CPU (`serve.CPU_PASS_TOKENS`)."""
 
     def __post_init__(self) -> None:
         if self.objective is None:
@@ -304,6 +307,7 @@ class Classifier:
             inference_autocast(device, self.precision),
             objective=self.objective,
             stage=stage,
+            max_tokens=self.pass_tokens,
         )
         return with_temperature(probs, self.temperature) if calibrated and self.thresholds is None else probs
 

@@ -51,10 +51,12 @@ DRAIN_LINGER = 1.0
 """Seconds a draining server keeps answering new requests with 503 + `Connection: close` at least, so that a
 keep-alive client sending just after the signal is told to go, not reset."""
 
-CPU_PASS = 8
-"""Texts per forward pass on a CPU. A CPU computes padding as it computes text and gains nothing from wider
-passes: on this project's 2-core machine, length-sorted passes of 8 ran faster than passes of 32, and
-sorted passes of 4 faster than one padded pass of 16 arriving texts (benchmarks/README.md, "Serving")."""
+CPU_PASS_TOKENS = 512
+"""Padded tokens per forward pass on a CPU (`ServeLimits.pass_tokens`). A CPU computes padding as it
+computes text and gains little from wider passes, so a batch's short texts share a wide pass and its long
+ones narrow ones: on this project's 2-core machine, batches of 8 and 16 arriving texts and 256 sorted ones
+all ran faster under this budget than in passes of 8 texts, whose long texts pad the short
+(benchmarks/README.md, "Serving")."""
 
 
 ROUTES = "POST /classify, /v1/classify, /predict; GET /health, /ready, /metrics, /v1/models, /info"
@@ -346,7 +348,11 @@ def serve(
             classifiers = {name: classifier}
         for classifier in classifiers.values():
             on_gpu = next(classifier.model.parameters()).device.type != "cpu"
-            classifier.batch_size = limits.pass_size or (limits.max_batch if on_gpu else CPU_PASS)
+            classifier.batch_size = limits.pass_size or limits.max_batch
+            budget = (
+                limits.pass_tokens if limits.pass_tokens is not None else None if on_gpu else CPU_PASS_TOKENS
+            )
+            classifier.pass_tokens = budget or None
         return loaded or classifiers
 
     server = DrainingServer(build_app(load, limits, infos), host, port)

@@ -19,8 +19,11 @@ class ServeLimits:
     max_batch: int = 32
     """Texts the worker takes from the queue at once."""
     pass_size: int | None = None
-    """Texts in one forward pass: the worker's batch, sorted by length, runs in passes of this many. None: the
-    whole batch in one pass on a GPU, passes of `CPU_PASS` on a CPU (see there)."""
+    """Texts in one forward pass at most: the worker's batch, sorted by length, runs in passes of this many.
+    None: `max_batch`."""
+    pass_tokens: int | None = None
+    """Padded tokens in one forward pass at most (texts x the pass's longest; `length_passes`). None: no
+    budget on a GPU, `CPU_PASS_TOKENS` on a CPU (see there); 0: no budget."""
     max_wait_ms: float = 5.0
     """How long the worker waits after the first waiting text for more to fill a batch."""
     max_texts: int = 64

@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from loracls.data.batching import length_passes
 from loracls.data.prompts import Prompter
 from loracls.environment.devices import inference_autocast, inference_device
 from loracls.environment.micro_batch import eval_batch_size
@@ -204,21 +205,25 @@ class ClassifierSet:
 
     @torch.inference_mode()
     def probs_mixed(
-        self, encoded: dict[str, list[list[int]]], batch_size: int, calibrated: bool = True
+        self,
+        encoded: dict[str, list[list[int]]],
+        batch_size: int,
+        calibrated: bool = True,
+        max_tokens: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Every member's probabilities of its texts (`encoded[name]`: token ids as `Classifier.encode` gives
-        them), in their order, from shared forward passes of `batch_size` rows: rows of several classifiers
-        (length-sorted) padded into one batch, each row read through its own adapter, then its own head;
-        with each member's temperature (`calibrated`)."""
+        them), in their order, from shared forward passes of at most `batch_size` rows and `max_tokens`
+        padded tokens (`length_passes`): rows of several classifiers (length-sorted) padded into one batch,
+        each row read through its own adapter, then its own head; with each member's temperature
+        (`calibrated`)."""
         rows = [(name, n, ids) for name, texts in encoded.items() for n, ids in enumerate(texts)]
-        rows.sort(key=lambda row: len(row[2]))
         result = {name: np.zeros((len(texts), len(self.classifiers[name].labels)), np.float32)
                   for name, texts in encoded.items()}  # fmt: skip
         some = next(iter(self.classifiers.values()))
         device, pad = self.shared.device, some.tokenizer.pad_token_id
         with inference_autocast(device, some.precision):
-            for start in range(0, len(rows), batch_size):
-                chunk = rows[start : start + batch_size]
+            for indices in length_passes([len(row[2]) for row in rows], batch_size, max_tokens):
+                chunk = [rows[i] for i in indices]
                 ids = torch.full((len(chunk), max(len(r[2]) for r in chunk)), pad, dtype=torch.long)
                 mask = torch.zeros_like(ids)
                 for n, (_, _, row) in enumerate(chunk):

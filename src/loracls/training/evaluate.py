@@ -46,16 +46,19 @@ def predict_probs(
     accelerator: Accelerator | None = None,
     objective: Objective | None = None,
     stage: str | None = None,
+    max_tokens: int | None = None,
 ) -> np.ndarray:
     """Class probabilities, shape (examples, classes), in the dataset's order, from `objective.probs`
     (default: the model's classification head: softmax, or a sigmoid per label for multi-label). Under several
     processes (`accelerator`), each scores every n-th batch and all receive the whole result: every example is
     scored exactly once, with no padding of the last batch to gather. Every process runs the same number of
     forward passes (a short one runs a discarded extra), as a sharded model needs. `stage`: the name of the
-    progress bar it shows (None: none; a server's batches show none).
+    progress bar it shows (None: none; a server's batches show none). Passes hold at most `batch_size` texts
+    and, with `max_tokens`, at most that many padded tokens (`length_passes`).
     """
     inputs = dataset.select_columns(["input_ids"])
-    batches = LengthGroupedBatches([len(x) for x in inputs["input_ids"]], batch_size, shuffle=False).batches()
+    lengths = [len(x) for x in inputs["input_ids"]]
+    batches = LengthGroupedBatches(lengths, batch_size, shuffle=False, max_tokens=max_tokens).batches()
     rounds, spare = len(batches), batches[0][:1] if batches else []
     if accelerator is not None and accelerator.num_processes > 1:
         rounds = -(-len(batches) // accelerator.num_processes)  # forward passes per process, all equal
