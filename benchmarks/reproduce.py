@@ -145,6 +145,10 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["cpu_precisions.py", "--out", "{out}"],
         ["cpu_precisions.py", "--rows", "16", "--texts", "8", "--budget", "0.05", "--out", "{out}"],
     ),
+    "pass_tokens": (
+        ["pass_tokens.py", "--texts", "256", "--repeats", "5", "--out", "{out}/pass_tokens.json"],
+        ["pass_tokens.py", "--texts", "32", "--repeats", "1", "--out", "{out}/pass_tokens.json"],
+    ),
     "serve": (
         ["serve.py", "--texts", "256", "--requests", "96", "--out", "{out}/serve.json"],
         ["serve.py", "--texts", "16", "--requests", "8", "--out", "{out}/serve.json"],
