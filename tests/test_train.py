@@ -59,6 +59,10 @@ def test_metrics_say_where_the_run_s_time_went(tmp_path, tiny_models, toy_csv):
     assert all(t >= 0 for t in seconds.values()) and seconds["training"] > 0
     assert sum(share.values()) == pytest.approx(1, abs=0.01)
     assert metrics["stages"]["resumed"] is False
+    # and what the micro-batches padded, and the peak memory, beside the throughput
+    assert metrics["train"]["padded_per_real_token"] >= 1.0 and metrics["train"]["peak_rss_gb"] > 0.1
+    log = [json.loads(line) for line in (tmp_path / "run/train_log.jsonl").read_text().splitlines()]
+    assert all(r["peak_rss_gb"] >= r["mem_rss_gb"] * 0.99 for r in log if r["kind"] == "train")
 
 
 def test_early_stopping_after_patience(tmp_path, tiny_models, toy_csv):

@@ -100,6 +100,13 @@ def length_passes(lengths: list[int], size: int, max_tokens: int | None = None) 
     return passes
 
 
+def padded_per_token(lengths: list[int], batches: list[list[int]]) -> float:
+    """Tokens computed per real token when each batch is padded to its longest (1.0: no padding)."""
+    real = sum(lengths[i] for batch in batches for i in batch)
+    padded = sum(len(batch) * max(lengths[i] for i in batch) for batch in batches if batch)
+    return padded / max(real, 1)
+
+
 def evened(batches: list[list[int]], shards: int) -> list[list[int]]:
     """`batches` with the largest halved until `shards` divides their number (none split when it already
     does). Each of `shards` processes takes every `shards`-th batch; when their number does not divide,

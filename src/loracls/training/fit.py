@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import resource
 import signal
 import threading
 import time
@@ -27,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loracls.config import TrainConfig
 from loracls.console import Stage, console, duration, progress
-from loracls.data.batching import make_loader
+from loracls.data.batching import make_loader, padded_per_token
 from loracls.data.splits import Splits
 from loracls.errors import Interrupted, LoraclsError
 from loracls.objective import Objective
@@ -48,6 +49,8 @@ class FitResult:
     train_s: float
     """Seconds spent training, validation excluded: the denominator of the throughput figures."""
     wall_s: float
+    padded_per_real_token: float = 1.0
+    """Tokens computed per real token in the first epoch's micro-batches (each padded to its longest)."""
 
     @property
     def throughput(self) -> dict:
@@ -58,6 +61,8 @@ class FitResult:
             "wall_s": self.wall_s,
             "optimizer_steps": self.steps,
             "examples_seen": self.examples,
+            "padded_per_real_token": round(self.padded_per_real_token, 3),
+            **peak_memory_gb(),
         }
 
 
@@ -67,7 +72,12 @@ def memory_gb(device: torch.device) -> dict[str, float]:
             "mem_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
             "mem_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
         }
-    return {"mem_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    return {"mem_rss_gb": psutil.Process().memory_info().rss / 2**30, **peak_memory_gb()}
+
+
+def peak_memory_gb() -> dict[str, float]:
+    """The process's peak resident memory so far (on a GPU machine too: the host's side)."""
+    return {"peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}  # KiB
 
 
 def log_setup_peak(run: RunFolder, device: torch.device, step: int) -> None:
@@ -110,6 +120,8 @@ def fit(
         model, optimizer, scheduler, accelerator, objective, tokenizer, cfg, run, state, factor
     )
     console.print(plan_line(cfg, len(train_set), steps_per_epoch, total_steps, accelerator.num_processes))
+    padding = padded_per_token(sampler.lengths, sampler.batches())
+    console.print(f"padding: {padding:.2f} tokens computed per real token (micro-batches of similar length)")
 
     log_setup_peak(run, accelerator.device, state.step)
     start, first = time.perf_counter(), state.step + 1
@@ -159,7 +171,7 @@ def fit(
         checkpoints.prune(run.path, cfg.keep_checkpoints, state.best_step)
     wall = time.perf_counter() - start
     return FitResult(
-        state.best_step, state.best_val, state.step, state.examples, state.tokens, state.train_s, wall
+        state.best_step, state.best_val, state.step, state.examples, state.tokens, state.train_s, wall, padding
     )
 
 
