@@ -171,7 +171,14 @@ def fit(
         checkpoints.prune(run.path, cfg.keep_checkpoints, state.best_step)
     wall = time.perf_counter() - start
     return FitResult(
-        state.best_step, state.best_val, state.step, state.examples, state.tokens, state.train_s, wall, padding
+        state.best_step,
+        state.best_val,
+        state.step,
+        state.examples,
+        state.tokens,
+        state.train_s,
+        wall,
+        padded_per_real_token=padding,
     )
 
 
