@@ -145,6 +145,26 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
         ["cpu_precisions.py", "--out", "{out}"],
         ["cpu_precisions.py", "--rows", "16", "--texts", "8", "--budget", "0.05", "--out", "{out}"],
     ),
+    "prompt_scoring": (
+        ["prompt_scoring.py", "--out", "{out}/prompt_scoring.json"],
+        ["prompt_scoring.py", "--texts", "8", "--rounds", "1", "--out", "{out}/prompt_scoring.json"],
+    ),
+    "prompt_rounds": (
+        ["prompt_rounds.py", "--out", "{out}/prompt_rounds.json"],
+        [
+            "prompt_rounds.py",
+            "--tasks",
+            "en-tweets",
+            "--seeds",
+            "1",
+            "--val",
+            "12",
+            "--firsts",
+            "4",
+            "--out",
+            "{out}/prompt_rounds.json",
+        ],
+    ),
     "pass_tokens": (
         ["pass_tokens.py", "--texts", "256", "--repeats", "5", "--out", "{out}/pass_tokens.json"],
         ["pass_tokens.py", "--texts", "32", "--repeats", "1", "--out", "{out}/pass_tokens.json"],

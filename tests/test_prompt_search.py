@@ -49,7 +49,9 @@ def test_a_search_over_its_budget_scores_fewer_examples_then_fewer_candidates(ll
     whole = plan_search(tokenizer, train, LABELS, TrainConfig(prompt_sample=40, prompt_budget=0))
     assert whole.passes == [1] * 7 and whole.cut() == ""
     per_text = sum(whole.tokens)  # each group reads the prompt and the text, 20 characters and more
-    assert per_text > 7 * 20 and whole.total(whole.tokens) == round(per_text * 40)
+    # two rounds: every group on 32 of the 40 texts, the best 2 of 7 (at their mean) on the other 8
+    assert (whole.first, whole.kept) == (32, 2)
+    assert per_text > 7 * 20 and whole.total(whole.tokens) == round(per_text * 32 + 8 * 2 * per_text / 7)
     smaller = plan_search(
         tokenizer, train, LABELS, TrainConfig(prompt_sample=40, prompt_budget=math.ceil(per_text * 10))
     )
@@ -72,6 +74,49 @@ def test_a_search_over_its_budget_scores_fewer_examples_then_fewer_candidates(ll
     choice = choose_prompt(model, tokenizer, train, LABELS, cfg, plan)
     assert choice.sample == 4 and sum("macro_f1" in row for row in choice.candidates) == 3
     assert [row.get("skipped") for row in choice.candidates[3:]] == [UNSCORED] * 12
+
+
+def test_every_candidate_reads_a_first_part_of_the_sample_and_the_best_read_the_rest(llama, monkeypatch):
+    """64 texts, 7 groups: every group reads 32 of them (a stratified part), the best 2 groups the other 32
+    too, and the choice is made among those on all 64. The prompts read are the plan's count; a group's
+    second round reads texts its first did not; the rows say on how many texts each was scored."""
+    model, tokenizer = llama
+    train = toy_reviews(100).assign(id=lambda t: t.index.astype(str))
+    good = {"good", "great", "love"}
+    calls: list[set[str]] = []  # per call, the texts read (their "#1234" ends)
+
+    def oracle(model, tokenizer, prompts, tokens, batch_size=16, advance=None):
+        """Right only after `It was` with great/terrible; half right after `review`."""
+        scores = np.full((len(prompts), len(tokens)), -1.0)
+        texts = [tokenizer.decode(ids) for ids in prompts]
+        calls.append({re.search(r"#\d+", text).group() for text in texts})
+        for i, text in enumerate(texts):
+            positive = bool(good & set(text.split("\n")[0].split()))
+            for pair in range(0, len(tokens), 2):
+                right = "It was" in text and tokenizer.decode(tokens[pair + 1]) == " great"
+                half = "review" in text.lower() and i % 2 == 0
+                scores[i, pair + (int(positive) if right or half else 0)] = -0.1
+        return scores
+
+    monkeypatch.setattr(prompt_search, "label_log_probs", oracle)
+    cfg = TrainConfig(prompt_sample=64, prompt_budget=0)
+    plan = plan_search(tokenizer, train, LABELS, cfg)
+    assert (plan.sample, plan.first, plan.kept, len(plan.groups)) == (64, 32, 2, 7)
+    choice = choose_prompt(model, tokenizer, train, LABELS, cfg, plan)
+    assert choice.prompt.name == "en-it-was" and choice.prompt.words["positive"] == "great"
+    assert sum(len(texts) for texts in calls) == plan.total(plan.passes) == 7 * 32 + 2 * 32
+    assert [len(texts) for texts in calls] == [32] * 9
+    assert all(texts == calls[0] for texts in calls[:7]) and calls[7] == calls[8]
+    assert not calls[0] & calls[7]  # the rest: the other texts
+    scored_on = sorted(row["n"] for row in choice.candidates)
+    assert choice.first == 32 and scored_on.count(64) in (2, 3, 4, 5, 6) and scored_on[0] == 32
+    assert choice.chosen()["n"] == 64 and choice.chosen()["macro_f1"] == 1.0
+    # the right label's probability among the labels: scores -0.1 against -1.0
+    assert choice.chosen()["gold_log_prob"] == pytest.approx(-np.log1p(np.exp(-0.9)), abs=1e-4)
+    recorder = Console(record=True, width=200)
+    recorder.print(prompt_table(choice.prompt, choice.candidates, choice.sample, choice.first))
+    said = " ".join(recorder.export_text().split())
+    assert "on 64 training examples (every candidate read 32 of them, the best few all)" in said
 
 
 def test_the_prompt_table_shows_the_best_few_and_the_chosen_one_briefly():

@@ -30,13 +30,16 @@ class PromptConfig:
     macro-F1 wins (without training data: the language's `-options` template). config.yaml stores the
     choice."""
     prompt_sample: int = 128
-    """Training examples (a stratified sample) that `prompt: auto` scores each candidate prompt on."""
+    """Training examples (a stratified sample) that `prompt: auto` chooses the prompt on. The search runs in
+    two rounds: every candidate reads 32 of them (stratified, at least 2 a label), the best quarter of the
+    candidates (at least 2) the rest, and the choice is the best of those on all of them (one round where
+    that would not read less)."""
     prompt_budget: int = 262_144
     """The tokens `prompt: auto` may read at most: over the candidates, each sample text inside each prompt
     and the later tokens of label words of several tokens. Over it, the sample shrinks to fit (down to 2
     examples per label), then the last candidates go unscored; the run says when (0: no limit). zh-reviews'
-    search reads about 65,000 tokens, en-tweets' 39,000, BANKING77's (77 intents) would read 430,000
-    (Gemma 3)."""
+    search reads about 29,000 tokens in its two rounds (65,000 if every candidate read the whole sample),
+    BANKING77's (77 intents, one round) would read 430,000 (Gemma 3)."""
     baseline_shots: int = 0
     """Examples shown in each baseline prompt, drawn balanced from the training split (0: zero-shot)."""
     verbalizers: str | dict[str, str] | None = None

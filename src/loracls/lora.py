@@ -343,3 +343,12 @@ def frozen_linears_in(model: torch.nn.Module, dtype: torch.dtype, unfrozen: bool
         module.to(dtype)
         cast += 1
     return cast
+
+
+def linears_as_computed(model: torch.nn.Module, device_type: str) -> int:
+    """Inside an autocast context: store a model that only reads (the prompt search's and the baseline's LM)
+    with its decoder linears in the dtype autocast computes them in, the same numbers without a cast per
+    weight per forward (`frozen_linears_in`); returns how many were cast (0 outside autocast)."""
+    if not torch.is_autocast_enabled(device_type):
+        return 0
+    return frozen_linears_in(model, torch.get_autocast_dtype(device_type), unfrozen=True)

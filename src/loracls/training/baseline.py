@@ -33,10 +33,10 @@ from loracls.data.prompts import (
 from loracls.data.splits import Splits, load_splits, stratified_sample
 from loracls.data.tables import BUILTIN_DATASETS, read_labelled
 from loracls.environment.devices import inference_autocast, inference_device
-from loracls.environment.micro_batch import CPU_MICRO_BATCH
 from loracls.errors import LoraclsError
+from loracls.lora import linears_as_computed
 from loracls.model import load_causal_lm
-from loracls.objective import input_prompter, label_log_probs, label_rows, objective_kind
+from loracls.objective import SCORE_BATCH, input_prompter, label_log_probs, label_rows, objective_kind
 from loracls.training.evaluate import gather_rows, write_predictions_jsonl
 from loracls.training.prompt_search import (
     PromptChoice,
@@ -94,6 +94,7 @@ def baseline_on_device(
     device = device or inference_device()
     model = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(device)
     with autocast or inference_autocast(device):
+        linears_as_computed(model, device.type)
         choice = choose_prompt(model, tokenizer, train, labels, cfg)
         cfg = dataclasses.replace(cfg)
         pin_prompt(cfg, choice.prompt)
@@ -148,7 +149,7 @@ def run_baseline(
     started = time.perf_counter()
     prompt = resolve_prompt(labels, list(table["text"]), cfg)
     order = prompt.order
-    batch_size = cfg.micro_batch_size or CPU_MICRO_BATCH
+    batch_size = cfg.micro_batch_size or SCORE_BATCH
     if cfg.baseline_shots and (train is None or train.empty):
         raise LoraclsError("shots > 0 needs training examples to draw them from (--train FILE)")
     shots = draw_shots(train if train is not None else table.iloc[:0], labels, cfg.baseline_shots, cfg.seed)
@@ -311,6 +312,7 @@ def prompt_and_baseline(
         return stored, None
     lm = load_causal_lm(model_path, cfg.trust_remote_code, cfg.allow_pickle).to(accelerator.device)
     with accelerator.autocast():
+        linears_as_computed(lm, accelerator.device.type)
         try:
             plan = plan_search(tokenizer, splits.train, splits.labels, cfg)
             console.print(search_line(plan, cfg, wants_baseline), soft_wrap=True)
@@ -331,7 +333,7 @@ def prompt_and_baseline(
             why = choice.informative_line() if apart else AUTO_NEEDS_APART
             console.print(f"head_init auto: {cfg.head_init} ({why})", soft_wrap=True)
         run.write_json("prompt.json", {**choice.prompt.to_json(), "choice": choice.to_json()})
-        console.print(prompt_table(choice.prompt, choice.candidates, choice.sample))
+        console.print(prompt_table(choice.prompt, choice.candidates, choice.sample, choice.first))
         baseline = stored
         if wants_baseline:  # every process scores a share of the test prompts
             out = run.path if run.main else None

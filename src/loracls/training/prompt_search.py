@@ -6,6 +6,7 @@ once the first candidate is scored, and the short table of the best candidates a
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,10 +53,16 @@ class SearchPlan:
     budget: int
     unscored: int
     """Candidates left out to fit `budget`."""
+    first: int = 0
+    """Texts of the sample that every group reads (the first round); the whole sample when there is one
+    round."""
+    kept: int = 0
+    """Groups that read the rest of the sample too (the second round: the best of the first)."""
 
     def total(self, what: list) -> int:
-        """Passes or tokens (`what`) of the whole search."""
-        return round(sum(what) * self.sample)
+        """Passes or tokens (`what`, per group) of the whole search: every group on the first round's texts,
+        `kept` groups (at their mean) on the rest."""
+        return round(search_reads(what, self.first, self.sample, self.kept))
 
     def scored(self) -> int:
         return sum(len(group) for group in self.groups)
@@ -72,6 +79,31 @@ class SearchPlan:
 UNSCORED = "not scored: over --prompt-budget"
 MIN_PER_LABEL = 2
 """The fewest training examples per label that `prompt_budget` cuts the search's sample down to."""
+FIRST_ROUND = 32
+"""The search's first round: every candidate group reads this many texts of the sample (stratified, at least
+`MIN_PER_LABEL` a label); only the best `KEPT_SHARE` of the groups (at least `KEPT_LEAST`) read the rest,
+and the choice is made among those on the whole sample. `benchmarks/prompt_rounds.py` measured it against
+every group on the whole sample (`results/prompt_rounds.json`)."""
+KEPT_SHARE = 0.25
+KEPT_LEAST = 2
+
+
+def search_rounds(groups: int, sample: int, labels: int) -> tuple[int, int]:
+    """(texts of the first round, groups kept for the rest) of a search of `groups` groups on `sample`
+    texts: one round (every group on every text) where a first round would not be shorter or would leave
+    no group out."""
+    first = max(FIRST_ROUND, MIN_PER_LABEL * labels)
+    kept = max(KEPT_LEAST, math.ceil(KEPT_SHARE * groups))
+    if first >= sample or kept >= groups:
+        return sample, groups
+    return first, kept
+
+
+def search_reads(cost: list, first: int, sample: int, kept: int) -> float:
+    """What a search reads whose groups cost `cost` a text: every group `first` texts, `kept` groups (their
+    mean cost) the remaining `sample - first`."""
+    rest = (sample - first) * kept * float(np.mean(cost)) if cost and sample > first else 0.0
+    return sum(cost) * first + rest
 
 
 def plan_search(
@@ -108,6 +140,7 @@ def plan_search(
         for n, _ in group:
             rows[n]["skipped"] = UNSCORED
     unscored = sum(len(group) for group in scored[kept:])
+    first, survivors = search_rounds(kept, sample, len(labels))
     return SearchPlan(
         candidates,
         rows,
@@ -118,18 +151,29 @@ def plan_search(
         sample,
         cfg.prompt_budget,
         unscored,
+        first,
+        survivors,
     )
 
 
 def within_budget(cost: list[float], asked: int, labels: int, budget: int) -> tuple[int, int]:
-    """(groups kept, sample) of a search whose groups cost `cost` (tokens) a text: all of them on `asked`
-    texts where that fits `budget` (0: no limit); else the sample cut to fit, down to `MIN_PER_LABEL` texts
-    per label, then the last groups dropped until it fits (the first is always scored)."""
-    if not budget or sum(cost) * asked <= budget:
+    """(groups kept, sample) of a search whose groups cost `cost` (tokens) a text, in its rounds
+    (`search_rounds`): all of them on `asked` texts where that fits `budget` (0: no limit); else the sample
+    cut to fit, down to `MIN_PER_LABEL` texts per label, then the last groups dropped until it fits (the
+    first is always scored)."""
+
+    def reads(groups: int, sample: int) -> float:
+        first, kept = search_rounds(groups, sample, labels)
+        return search_reads(cost[:groups], first, sample, kept)
+
+    if not budget or reads(len(cost), asked) <= budget:
         return len(cost), asked
-    sample = max(min(asked, MIN_PER_LABEL * labels), int(budget // sum(cost)))
+    least = min(asked, MIN_PER_LABEL * labels)
+    sample = asked
+    while sample > least and reads(len(cost), sample) > budget:
+        sample -= 1
     kept = len(cost)
-    while kept > 1 and sum(cost[:kept]) * sample > budget:
+    while kept > 1 and reads(kept, sample) > budget:
         kept -= 1
     return kept, sample
 
@@ -168,9 +212,10 @@ PROMPT_TABLE_ROWS = 5
 """The candidates the prompt table shows: the best few by macro-F1 (prompt.json and the report hold all)."""
 
 
-def prompt_table(prompt: Prompt, candidates: list[dict], sample: int) -> Table | str:
+def prompt_table(prompt: Prompt, candidates: list[dict], sample: int, first: int = 0) -> Table | str:
     """The chosen prompt and the best few candidates' zero-shot scores on the training sample (`candidates`,
-    `PromptChoice.candidates`; the chosen one among them, marked); prompt.json and the report hold all."""
+    `PromptChoice.candidates`; the chosen one among them, marked), those that read the whole sample first;
+    prompt.json and the report hold all. `first`: the texts every candidate read (the first round)."""
     names = format_verbalizers({label: label for label in prompt.words})
     title = f"{prompt.name} ({short_words(format_verbalizers(prompt.words), names)})"
     if not candidates:
@@ -178,14 +223,18 @@ def prompt_table(prompt: Prompt, candidates: list[dict], sample: int) -> Table |
     key = (prompt.name, format_verbalizers(prompt.words))
     chosen = next(r for r in candidates if (r["template"], r["verbalizers"]) == key)
     scored = [(n, r) for n, r in enumerate(candidates) if "macro_f1" in r]
-    ranked = sorted(scored, key=lambda item: (-item[1]["macro_f1"], -item[1]["gold_log_prob"], item[0]))
+    ranked = sorted(
+        scored,
+        key=lambda item: (-item[1].get("n", 0), -item[1]["macro_f1"], -item[1]["gold_log_prob"], item[0]),
+    )
     shown = [r for _, r in ranked[:PROMPT_TABLE_ROWS]]
     if not any(r is chosen for r in shown):
         shown.append(chosen)
     table = Table(
         "", "template", "label words", "macro-F1", "accuracy", "kappa",
-        title=f"prompt: chose {title} by zero-shot macro-F1 on {sample} training examples; the best "
-        f"{len(shown)} of {len(candidates)} candidates (all of them in prompt.json)",
+        title=f"prompt: chose {title} by zero-shot macro-F1 on {sample} training examples"
+        + (f" (every candidate read {first} of them, the best few all)" if 0 < first < sample else "")
+        + f"; the best {len(shown)} of {len(candidates)} candidates (all of them in prompt.json)",
         title_justify="left",
     )  # fmt: skip
     for row in shown:
@@ -231,6 +280,9 @@ class PromptChoice:
     """Training examples scored (0: no training examples)."""
     majority: float = 0.0
     """The most frequent label's share of the sample: what answering one label for every text scores."""
+    first: int = 0
+    """Texts of the sample that every candidate read (the search's first round); the candidates whose rows
+    say `n` == `sample` read all of it."""
 
     def chosen(self) -> dict:
         """The chosen prompt's row of `candidates`."""
@@ -265,6 +317,7 @@ class PromptChoice:
             "verbalizers": self.prompt.words,
             "sample": self.sample,
             "majority": self.majority,
+            "first_round": self.first,
             "candidates": self.candidates,
         }
 
@@ -316,36 +369,41 @@ def choose_prompt(
     if train is None or train.empty:
         return PromptChoice(candidates[0], [], 0)
     sample = stratified_sample(train, plan.sample, cfg.seed)
+    first = stratified_sample(sample, plan.first, cfg.seed)
+    sample = pd.concat([first, sample.drop(first.index)])  # the first round's texts first
     label2id = label_ids(labels)
     gold = np.array([label2id[x] for x in sample["label"]])
     chat = bool(cfg.chat_template)
-    scored: list[tuple[tuple[float, float], int]] = []  # (macro-F1, gold log-prob), candidate
-    total = sum(plan.passes) * len(sample)
-    with progress("prompt search", total, "prompts") as stage:
-        for g, group in enumerate(plan.groups):
-            first, last = group[0][0] + 1, group[-1][0] + 1
-            which = f"candidate {first}" if first == last else f"candidates {first}-{last}"
+    read: dict[int, np.ndarray] = {}  # group -> its scores on the texts it has read so far
+    keys: dict[int, tuple[float, float]] = {}  # candidate -> (macro-F1, gold log-prob) there
+
+    def score_groups(groups: list[int], texts: pd.DataFrame, stage: Stage) -> None:
+        for g in groups:
+            group = plan.groups[g]
+            one, last = group[0][0] + 1, group[-1][0] + 1
+            which = f"candidate {one}" if one == last else f"candidates {one}-{last}"
             stage.update(at=f"{which} of {len(candidates)}")
             # candidates whose prompts are the same text are scored in one pass: every word set's tokens are
             # read from the same forward passes
-            prompts = Prompter(tokenizer, candidates[first - 1], [], cfg.max_length, chat=chat).encode(
-                list(sample["text"])
+            prompts = Prompter(tokenizer, candidates[one - 1], [], cfg.max_length, chat=chat).encode(
+                list(texts["text"])
             )
             columns = [tokens[label] for _, tokens in group for label in labels]
             every = label_log_probs(model, tokenizer, prompts, columns, advance=stage.advance)
+            read[g] = every if g not in read else np.concatenate([read[g], every])
             for k, (n, _) in enumerate(group):
-                probs = softmax(every[:, k * len(labels) : (k + 1) * len(labels)])
-                gold_log_prob = float(np.log(probs[np.arange(len(gold)), gold]).mean())
-                kappa = cohen_kappa_score(gold, probs.argmax(1), labels=list(range(len(labels))))
-                rows[n] |= {
-                    **summary(sample, probs, labels),
-                    "kappa": round(float(np.nan_to_num(kappa)), 4),
-                    "kappa_se": round(kappa_standard_error(gold, probs.argmax(1), len(labels)), 4),
-                    "gold_log_prob": round(gold_log_prob, 4),
-                }
-                scored.append(((rows[n]["macro_f1"], gold_log_prob), n))
-            if g == 0 and len(plan.groups) > 1:
+                probs = softmax(read[g][:, k * len(labels) : (k + 1) * len(labels)])
+                rows[n] |= rate(probs, sample, gold, labels)
+                keys[n] = (rows[n]["macro_f1"], rows[n]["gold_log_prob"])
+            if g == 0 and len(read[g]) == plan.first and len(plan.groups) > 1:
                 eta_line(stage, which)
+
+    with progress("prompt search", plan.total(plan.passes), "prompts") as stage:
+        score_groups(list(range(len(plan.groups))), sample.iloc[: plan.first], stage)
+        best_of = [max(keys[n] for n, _ in group) for group in plan.groups]
+        kept = sorted(range(len(plan.groups)), key=lambda g: best_of[g], reverse=True)[: plan.kept]
+        score_groups(sorted(kept), sample.iloc[plan.first :], stage)
+    scored = [(keys[n], n) for g in kept for n, _ in plan.groups[g]]
     if not scored:
         reasons = sorted({r["skipped"] for r in rows})
         raise LoraclsError(
@@ -354,4 +412,18 @@ def choose_prompt(
         )
     best = candidates[max(sorted(scored, key=lambda item: item[1]), key=lambda item: item[0])[1]]
     majority = float(sample["label"].value_counts(normalize=True).max())
-    return PromptChoice(best, rows, len(sample), majority)
+    return PromptChoice(best, rows, len(sample), majority, plan.first)
+
+
+def rate(probs: np.ndarray, sample: pd.DataFrame, gold: np.ndarray, labels: list[str]) -> dict:
+    """A candidate's zero-shot figures on the first `len(probs)` texts of the sample: accuracy, macro-F1,
+    kappa (with its standard error) and the mean log-probability of the right label."""
+    n = len(probs)
+    gold, predicted = gold[:n], probs.argmax(1)
+    kappa = cohen_kappa_score(gold, predicted, labels=list(range(len(labels))))
+    return {
+        **summary(sample.iloc[:n], probs, labels),
+        "kappa": round(float(np.nan_to_num(kappa)), 4),
+        "kappa_se": round(kappa_standard_error(gold, predicted, len(labels)), 4),
+        "gold_log_prob": round(float(np.log(probs[np.arange(n), gold]).mean()), 4),
+    }

@@ -304,11 +304,23 @@ def prompt_section(prompt: dict | None) -> list[str]:
     choice = prompt["choice"]
     if choice["candidates"]:
         rows = [
-            [c["template"], c["verbalizers"], c.get("accuracy", "skipped"), c.get("macro_f1", "")]
+            [
+                c["template"],
+                c["verbalizers"],
+                c.get("accuracy", "skipped"),
+                c.get("macro_f1", ""),
+                c.get("n", ""),
+            ]
             for c in choice["candidates"]
         ]
-        parts.append(f"<p>Chosen by zero-shot macro-F1 on {choice['sample']} training examples:</p>")
-        parts.append(table(["template", "label words", "accuracy", "macro-F1"], rows, {2, 3}))
+        first = choice.get("first_round", 0)
+        rounds = (
+            f" (every candidate read {first} of them first; the best few read all)"
+            if 0 < first < choice["sample"]
+            else ""
+        )
+        parts.append(f"<p>Chosen by zero-shot macro-F1 on {choice['sample']} training examples{rounds}:</p>")
+        parts.append(table(["template", "label words", "accuracy", "macro-F1", "examples"], rows, {2, 3}))
     return parts
 
 
