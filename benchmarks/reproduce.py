@@ -165,6 +165,18 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
             "{out}/prompt_rounds.json",
         ],
     ),
+    "many_classes": (
+        ["many_classes.py", "--out", "{out}/many_classes.json"],
+        [
+            "many_classes.py",
+            "--train",
+            "20",
+            "min_steps=2",
+            "prompt_sample=8",
+            "--out",
+            "{out}/many_classes.json",
+        ],
+    ),
     "pass_tokens": (
         ["pass_tokens.py", "--texts", "256", "--repeats", "5", "--out", "{out}/pass_tokens.json"],
         ["pass_tokens.py", "--texts", "32", "--repeats", "1", "--out", "{out}/pass_tokens.json"],

@@ -7,6 +7,7 @@ import re
 import signal
 
 import numpy as np
+import pandas as pd
 import pytest
 from rich.console import Console
 
@@ -117,6 +118,21 @@ def test_every_candidate_reads_a_first_part_of_the_sample_and_the_best_read_the_
     recorder.print(prompt_table(choice.prompt, choice.candidates, choice.sample, choice.first))
     said = " ".join(recorder.export_text().split())
     assert "on 64 training examples (every candidate read 32 of them, the best few all)" in said
+
+
+def test_a_sample_smaller_than_the_labels_grows_to_two_texts_a_label(llama):
+    """`--prompt-sample 8` on 10 intents once stopped the run: a stratified sample of 8 cannot hold 10
+    labels. It takes 2 a label (20) instead, and the search runs."""
+    model, tokenizer = llama
+    labels = [f"intent_{k}" for k in range(10)]
+    train = pd.DataFrame(
+        {"text": [f"words of {k} number {n}" for k in range(10) for n in range(5)], "label": labels * 5}
+    )
+    cfg = TrainConfig(prompt_sample=8)
+    plan = plan_search(tokenizer, train, labels, cfg)
+    assert plan.sample == 20
+    choice = choose_prompt(model, tokenizer, train, labels, cfg, plan)
+    assert choice.sample == 20 and choice.chosen()["n"] == 20
 
 
 def test_the_prompt_table_shows_the_best_few_and_the_chosen_one_briefly():

@@ -30,7 +30,8 @@ class PromptConfig:
     macro-F1 wins (without training data: the language's `-options` template). config.yaml stores the
     choice."""
     prompt_sample: int = 128
-    """Training examples (a stratified sample) that `prompt: auto` chooses the prompt on. The search runs in
+    """Training examples (a stratified sample, at least 2 of each label) that `prompt: auto` chooses the
+    prompt on. The search runs in
     two rounds: every candidate reads 32 of them (stratified, at least 2 a label), the best quarter of the
     candidates (at least 2) the rest, and the choice is the best of those on all of them (one round where
     that would not read less)."""

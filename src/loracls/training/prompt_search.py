@@ -125,7 +125,8 @@ def plan_search(
             continue
         groups.setdefault(prompt.render("\0"), []).append((n, tokens))
     scored = list(groups.values())
-    asked = 0 if train is None else min(cfg.prompt_sample, len(train))
+    # a stratified sample holds every label: at least `MIN_PER_LABEL` texts of each, where the data has them
+    asked = 0 if train is None else min(max(cfg.prompt_sample, MIN_PER_LABEL * len(labels)), len(train))
     texts = [] if train is None else list(stratified_sample(train, asked, cfg.seed)["text"])
     passes, reads = [], []
     for group in scored:
