@@ -90,12 +90,14 @@ def main() -> None:
         wall = time.perf_counter() - started
         if done.returncode:
             sys.exit(f"{task}: loracls train failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        said = " ".join(done.stdout.split())
+        said = " ".join((done.stdout + done.stderr).split())  # the run's lines go to stderr
         metrics = json.loads((run / "metrics.json").read_text(encoding="utf-8"))
         seconds = metrics["stages"]["seconds"]
         pinned = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
         found = SEARCH.search(said)
-        search_tokens = int(found.group(2).replace(",", "")) if found else 0
+        if found is None:
+            sys.exit(f"{task}: no prompt search line in the run's output:\n{said[-2000:]}")
+        search_tokens = int(found.group(2).replace(",", ""))
         base_tokens = baseline_tokens(run, files["test"], tokenizer)
         search_s = seconds["choosing the prompt and scoring the baseline"]
         base_s = (metrics.get("baseline") or {}).get("wall_s", 0.0)
