@@ -31,10 +31,9 @@ class PromptConfig:
     choice."""
     prompt_sample: int = 128
     """Training examples (a stratified sample, at least 2 of each label) that `prompt: auto` chooses the
-    prompt on. The search runs in
-    two rounds: every candidate reads 32 of them (stratified, at least 2 a label), the best quarter of the
-    candidates (at least 2) the rest, and the choice is the best of those on all of them (one round where
-    that would not read less)."""
+    prompt on. The search runs in two rounds: every candidate reads 32 of them (stratified, at least 2 a
+    label), the best quarter of the candidates (at least 2) the rest, and the choice is the best of those on
+    all of them (one round where that would not read less)."""
     prompt_budget: int = 262_144
     """The tokens `prompt: auto` may read at most: over the candidates, each sample text inside each prompt
     and the later tokens of label words of several tokens. Over it, the sample shrinks to fit (down to 2
