@@ -6,8 +6,8 @@ Baseline: zh-reviews (2 classes). Candidate: 10 intents of BANKING77 (its 10 mos
 training file; labels that are codes such as `card_arrival`). Both: `--train` examples (stratified, seed
 0), 200 validation and 200 test examples, every other setting the default; one `loracls train` process
 each, one after the other (peak memory is a process's own). Tokens are the run's own counts: the prompt
-search's from its line before it starts, the baseline's the test prompts it reads, training's the real
-(unpadded) tokens of `metrics.json`.
+search's from its line before it starts, the baseline's the test prompts it reads with the label words'
+later tokens, training's the real (unpadded) tokens of `metrics.json`.
 
     python benchmarks/many_classes.py [--train 300] [--out benchmarks/results/many_classes.json] [KEY=VALUE]
 
@@ -34,6 +34,7 @@ from loracls.config import TrainConfig
 from loracls.data.prompts import Prompter, resolve_prompt
 from loracls.data.splits import stratified_sample
 from loracls.model import load_tokenizer, resolve_model
+from loracls.objective import later_tokens
 
 SEARCH = re.compile(r"prompt: scoring .*? \(([\d,]+) prompts, ([\d,]+) tokens")
 
@@ -57,13 +58,16 @@ def task_files(task: str, n: int, folder: Path) -> dict[str, str]:
 
 
 def baseline_tokens(run: Path, test: str, tokenizer) -> int:
-    """The tokens of the baseline's test prompts, with the prompt the run chose (twice where it lists the
-    labels: the reversed order is read too)."""
+    """The tokens the baseline reads, with the prompt the run chose: each test prompt, and after it the later
+    tokens of the label words of several tokens (as the prompt search's count has them); twice where the
+    prompt lists the labels (the reversed order is read too)."""
     cfg = TrainConfig.load(run / "config.yaml", written=True)
     table = pd.read_json(test, lines=True)
     labels = sorted(table["label"].astype(str).unique())
     prompter = Prompter(tokenizer, resolve_prompt(labels, [], cfg), [], cfg.max_length)
-    tokens = sum(len(ids) for ids in prompter.encode(list(table["text"])))
+    words = prompter.label_tokens()
+    later = later_tokens([words[label] for label in labels]) * len(table)
+    tokens = sum(len(ids) for ids in prompter.encode(list(table["text"]))) + later
     return tokens * (1 + prompter.lists_labels(prompter.prompt.order))
 
 
