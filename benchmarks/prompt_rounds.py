@@ -40,7 +40,7 @@ from loracls.environment.devices import inference_autocast
 from loracls.model import load_causal_lm, load_tokenizer, resolve_model
 from loracls.objective import label_log_probs
 from loracls.training.evaluate import score
-from loracls.training.prompt_search import MIN_PER_LABEL, plan_search, softmax
+from loracls.training.prompt_search import KEPT_LEAST, KEPT_SHARE, MIN_PER_LABEL, plan_search, softmax
 
 SIZES = {"zh-reviews": "2000", "en-tweets": "2000", "banking77": "30/class"}
 
@@ -72,7 +72,7 @@ def rounds(plan, scores, gold, labels, first: np.ndarray, rest: np.ndarray) -> t
     """(chosen candidate, prompts read, groups kept) of a two-round search: every candidate on `first`, the
     best quarter of the groups (at least 2; a group's rank: its best candidate on `first`) on the rest too."""
     groups = plan.groups
-    keep = max(2, math.ceil(len(groups) / 4))
+    keep = max(KEPT_LEAST, math.ceil(KEPT_SHARE * len(groups)))  # as `prompt_search.search_rounds` keeps
     if keep >= len(groups):
         every = [n for g in groups for n, _ in g]
         return best(every, scores, np.arange(len(gold)), gold, labels), len(groups) * len(gold), len(groups)

@@ -394,8 +394,8 @@ def choose_prompt(
             read[g] = every if g not in read else np.concatenate([read[g], every])
             for k, (n, _) in enumerate(group):
                 probs = softmax(read[g][:, k * len(labels) : (k + 1) * len(labels)])
-                rows[n] |= rate(probs, sample, gold, labels)
-                keys[n] = (rows[n]["macro_f1"], rows[n]["gold_log_prob"])
+                figures, keys[n] = rate(probs, sample, gold, labels)
+                rows[n] |= figures
             if g == 0 and len(read[g]) == plan.first and len(plan.groups) > 1:
                 eta_line(stage, which)
 
@@ -403,7 +403,8 @@ def choose_prompt(
         score_groups(list(range(len(plan.groups))), sample.iloc[: plan.first], stage)
         best_of = [max(keys[n] for n, _ in group) for group in plan.groups]
         kept = sorted(range(len(plan.groups)), key=lambda g: best_of[g], reverse=True)[: plan.kept]
-        score_groups(sorted(kept), sample.iloc[plan.first :], stage)
+        if plan.first < len(sample):  # one round: every group has read the whole sample already
+            score_groups(sorted(kept), sample.iloc[plan.first :], stage)
     scored = [(keys[n], n) for g in kept for n, _ in plan.groups[g]]
     if not scored:
         reasons = sorted({r["skipped"] for r in rows})
@@ -416,15 +417,20 @@ def choose_prompt(
     return PromptChoice(best, rows, len(sample), majority, plan.first)
 
 
-def rate(probs: np.ndarray, sample: pd.DataFrame, gold: np.ndarray, labels: list[str]) -> dict:
-    """A candidate's zero-shot figures on the first `len(probs)` texts of the sample: accuracy, macro-F1,
-    kappa (with its standard error) and the mean log-probability of the right label."""
+def rate(
+    probs: np.ndarray, sample: pd.DataFrame, gold: np.ndarray, labels: list[str]
+) -> tuple[dict, tuple[float, float]]:
+    """A candidate's zero-shot figures on the first `len(probs)` texts of the sample (accuracy, macro-F1,
+    kappa with its standard error, the mean log-probability of the right label), and the key the search
+    ranks it by: (macro-F1, that log-probability unrounded)."""
     n = len(probs)
     gold, predicted = gold[:n], probs.argmax(1)
     kappa = cohen_kappa_score(gold, predicted, labels=list(range(len(labels))))
-    return {
+    gold_log_prob = float(np.log(probs[np.arange(n), gold]).mean())
+    figures = {
         **summary(sample.iloc[:n], probs, labels),
         "kappa": round(float(np.nan_to_num(kappa)), 4),
         "kappa_se": round(kappa_standard_error(gold, predicted, len(labels)), 4),
-        "gold_log_prob": round(float(np.log(probs[np.arange(n), gold]).mean()), 4),
+        "gold_log_prob": round(gold_log_prob, 4),
     }
+    return figures, (figures["macro_f1"], gold_log_prob)
