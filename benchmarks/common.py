@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from loracls.environment.cpu import CPU_PRECISION_FLAGS, cpu_flags, cpu_has_fast_bf16
+from loracls.training import fit
 from loracls.training.runs import environment
 
 RESULTS = Path(__file__).parent / "results"
@@ -41,7 +41,7 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak GPU memory allocated, or the process's peak resident memory on a CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return fit.peak_memory_gb()["peak_rss_gb"]
 
 
 def git_state() -> tuple[str | None, bool]:
