@@ -177,6 +177,20 @@ JOBS: dict[str, tuple[list[str], list[str]]] = {
             "{out}/many_classes.json",
         ],
     ),
+    "label_prefix": (
+        ["label_prefix.py", "--tasks", "banking77-10", "--val", "20", "--out", "{out}/label_prefix.json"],
+        [
+            "label_prefix.py",
+            "--tasks",
+            "banking77-10",
+            "--val",
+            "4",
+            "--sample",
+            "20",
+            "--out",
+            "{out}/label_prefix.json",
+        ],
+    ),
     "pass_tokens": (
         ["pass_tokens.py", "--texts", "256", "--repeats", "5", "--out", "{out}/pass_tokens.json"],
         ["pass_tokens.py", "--texts", "32", "--repeats", "1", "--out", "{out}/pass_tokens.json"],
