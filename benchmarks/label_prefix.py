@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from common import RESULTS, write_result
-from sklearn.metrics import f1_score
+from prompt_rounds import best
 from tasks import banking77_splits, builtin_splits, training_sample
 
 from loracls.config import TrainConfig
@@ -69,21 +69,6 @@ def task_tables(task: str, val_n: int):
     return train.assign(**as_text), val.assign(**as_text).reset_index(drop=True)
 
 
-def choice(candidates: list[int], probs: dict, gold: np.ndarray, labels: list[str]) -> int:
-    """The candidate `choose_prompt` takes on these probabilities: best macro-F1, then the higher mean
-    log-probability of the right label, then the earlier candidate."""
-
-    def key(n: int):
-        f1 = score_probs(probs[n], gold, labels)
-        return f1, float(np.log(probs[n][np.arange(len(gold)), gold]).mean()), -n
-
-    return max(candidates, key=key)
-
-
-def score_probs(probs: np.ndarray, gold: np.ndarray, labels: list[str]) -> float:
-    return float(f1_score(gold, probs.argmax(1), average="macro", labels=list(range(len(labels)))))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="zh-reviews,en-tweets,banking77-10,banking77")
@@ -104,8 +89,7 @@ def main() -> None:
             plan = plan_search(tokenizer, train, labels, cfg)
             sample = stratified_sample(train, plan.sample, 0).reset_index(drop=True)
             ids = label_ids(labels)
-            gold = {"sample": np.array([ids[x] for x in sample["label"]])}
-            gold["val"] = np.array([ids[x] for x in val["label"]])
+            gold = np.array([ids[x] for x in sample["label"]])
             probs = {way: {"sample": {}, "val": {}} for way in WAYS}
             seconds = dict.fromkeys(WAYS, 0.0)
             later = dict.fromkeys(WAYS, 0)
@@ -134,8 +118,8 @@ def main() -> None:
                     "candidate": n,
                     "template": plan.rows[n]["template"],
                     "verbalizers": plan.rows[n]["verbalizers"][:120],
-                    "val_macro_f1_whole": round(score_probs(whole, gold["val"], labels), 4),
-                    "val_macro_f1_prefix": round(score_probs(cut, gold["val"], labels), 4),
+                    "val_macro_f1_whole": round(score(val, whole, labels)["macro_f1"], 4),
+                    "val_macro_f1_prefix": round(score(val, cut, labels)["macro_f1"], 4),
                     "agreement": round(float((whole.argmax(1) == cut.argmax(1)).mean()), 4),
                 }
                 candidates_rows.append(row)
@@ -145,7 +129,8 @@ def main() -> None:
                     f" agree {row['agreement']:.3f}",
                     flush=True,
                 )
-            chosen = {way: choice(scored, probs[way]["sample"], gold["sample"], labels) for way in WAYS}
+            every = np.arange(len(sample))
+            chosen = {way: best(scored, probs[way]["sample"], every, gold, labels) for way in WAYS}
             summary = {
                 "task": task,
                 "labels": len(labels),
@@ -165,7 +150,7 @@ def main() -> None:
                     "val_macro_f1": round(val_scores["macro_f1"], 4),
                     "val_accuracy": round(val_scores["accuracy"], 4),
                     "val_macro_f1_whole_words": round(
-                        score_probs(probs[WAYS[0]]["val"][n], gold["val"], labels), 4
+                        score(val, probs[WAYS[0]]["val"][n], labels)["macro_f1"], 4
                     ),
                 }
             summary["speed_vs_whole"] = round(seconds[WAYS[0]] / seconds[WAYS[1]], 3)
